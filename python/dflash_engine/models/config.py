@@ -1,0 +1,219 @@
+"""Model configs parsed from Hugging Face config.json dicts, and draft/target validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ops.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
+
+SUPPORTED_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None = None) -> torch.dtype:
+    """"auto" picks the checkpoint's float16/bfloat16/float32 dtype, else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' field")
+    return archs[0]
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from either the transformers v4 fields
+    (rope_theta + rope_scaling) or the v5 field rope_parameters."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = rope_type_of(params)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn"):
+        # transformers gives a top-level original_max_position_embeddings priority.
+        original = d.get("original_max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+    return theta, params
+
+
+def _check_full_attention(d: dict[str, Any], what: str) -> None:
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        return
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ValueError(
+            f"{what} has layer_types {other} (e.g. sliding-window attention); "
+            "only 'full_attention' layers are supported"
+        )
+
+
+def _first_id(value: Any) -> int | None:
+    return value[0] if isinstance(value, list) and value else value
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_id: int | list[int] | None = None
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture == "Qwen3ForCausalLM"
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+
+    @classmethod
+    def _common(cls, d: dict[str, Any], architecture: str) -> dict[str, Any]:
+        heads = d["num_attention_heads"]
+        theta, scaling = _rope(d)
+        return dict(
+            architecture=architecture,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            eos_token_id=d.get("eos_token_id"),
+            bos_token_id=_first_id(d.get("bos_token_id")),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            raw=d,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        architecture = _architecture(d)
+        if architecture not in SUPPORTED_TARGET_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported target architecture {architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_TARGET_ARCHITECTURES)}"
+            )
+        _check_full_attention(d, f"target model ({architecture})")
+        kw = cls._common(d, architecture)
+        is_llama = architecture == "LlamaForCausalLM"
+        return cls(
+            **kw,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)) if is_llama else False,
+            mlp_bias=bool(d.get("mlp_bias", False)) if is_llama else False,
+        )
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DraftConfig(ModelConfig):
+    block_size: int = 16
+    mask_token_id: int = 0
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_target_layers: int = 0
+
+    @property
+    def qk_norm(self) -> bool:
+        return True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
+        architecture = _architecture(d)
+        if architecture != DRAFT_ARCHITECTURE:
+            raise ValueError(
+                f"unsupported draft architecture {architecture!r}; supported: {DRAFT_ARCHITECTURE}"
+            )
+        _check_full_attention(d, "DFlash draft")
+        dflash = d.get("dflash_config") or {}
+        block_size = dflash.get("block_size", d.get("block_size"))
+        mask_token_id = dflash.get("mask_token_id", d.get("mask_token_id"))
+        num_target_layers = d.get("num_target_layers")
+        for name, value in (("block_size", block_size), ("mask_token_id", mask_token_id),
+                            ("num_target_layers", num_target_layers)):
+            if value is None:
+                raise ValueError(f"DFlash draft config.json is missing {name}")
+        if block_size < 2:
+            raise ValueError(f"DFlash block_size must be >= 2, got {block_size}")
+        kw = cls._common(d, architecture)
+        layer_ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(num_target_layers, kw["num_hidden_layers"])
+        return cls(
+            **kw,
+            tie_word_embeddings=False,
+            block_size=int(block_size),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=[int(i) for i in layer_ids],
+            num_target_layers=int(num_target_layers),
+        )
+
+
+def validate_draft_against_target(draft: DraftConfig, target: ModelConfig) -> None:
+    problems = []
+    if draft.hidden_size != target.hidden_size:
+        problems.append(
+            f"draft hidden_size {draft.hidden_size} != target hidden_size {target.hidden_size}"
+        )
+    if draft.num_target_layers != target.num_hidden_layers:
+        problems.append(
+            f"draft was trained for a target with {draft.num_target_layers} layers, "
+            f"but the target has {target.num_hidden_layers}"
+        )
+    bad = [i for i in draft.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(
+            f"draft target_layer_ids {bad} out of range for a target with "
+            f"{target.num_hidden_layers} layers"
+        )
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        problems.append(
+            f"draft mask_token_id {draft.mask_token_id} is outside the target vocabulary "
+            f"(vocab_size {target.vocab_size})"
+        )
+    if problems:
+        raise ValueError("DFlash draft does not match the target: " + "; ".join(problems))

@@ -1,0 +1,48 @@
+"""DFlash draft model (see shared/design/DFLASH.md).
+
+The target conditions the draft only through context K/V: ctx = hidden_norm(fc(taps)) is
+projected by each layer's k_proj/v_proj (k_norm + RoPE on K, no input_layernorm) into the
+draft KV at the committed positions. The block rows then run as ordinary pre-norm Qwen3
+layers attending non-causally over context + block.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from torch import Tensor, nn
+
+from ..ops.attention import AttentionMetadata, write_kv
+from ..ops.norm import RMSNorm
+from .config import DraftConfig
+from .layers import DecoderLayer, make_rotary
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.rotary = make_rotary(cfg)
+
+    def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor, kv) -> None:
+        """taps [N, n_taps*H] at absolute `positions` -> draft K/V of every layer at `slot_mapping`."""
+        ctx = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv.draft):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def forward(self, input_embeds: Tensor, positions: Tensor, meta: AttentionMetadata, kv) -> Tensor:
+        """Block rows -> final-normed hidden. Block K/V land at meta.slot_mapping as scratch."""
+        if meta.causal:
+            # Draft attention is non-causal by definition (every block row sees the whole block).
+            meta = dataclasses.replace(meta, causal=False)
+        x = input_embeds
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_layer in zip(self.layers, kv.draft):
+            x = layer(x, cos, sin, meta, kv_layer)
+        return self.norm(x)

@@ -1,0 +1,141 @@
+"""Decoder-layer pieces shared by the Llama/Qwen3 targets and the DFlash draft.
+
+Module and parameter names mirror Hugging Face so checkpoint names map one to one.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..ops.activation import silu_and_mul
+from ..ops.attention import AttentionMetadata, paged_attention, write_kv
+from ..ops.norm import RMSNorm
+from ..ops.rotary import RotaryEmbedding, apply_rotary
+from .config import ModelConfig
+
+KVLayer = tuple[Tensor, Tensor]
+
+
+def make_rotary(cfg: ModelConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        bias = cfg.attention_bias
+        h, q_dim, kv_dim = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, q_dim, bias=bias)
+        self.k_proj = nn.Linear(h, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(h, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, h, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rotary(q, cos, sin)
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_layer: KVLayer
+    ) -> Tensor:
+        q = self.project_q(x, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        k_cache, v_cache = kv_layer
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer; returns the residual stream after the layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_layer: KVLayer
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """HF `model.*`: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Target model: the TargetModel interface of docs/INTERFACES.md."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.rotary = make_rotary(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(ids)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        kv,
+        tap_layers: list[int] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        tapped: dict[int, Tensor] = {}
+        wanted = set(tap_layers or ())
+        if any(not 0 <= i < len(self.model.layers) for i in wanted):
+            raise ValueError(f"tap_layers {tap_layers} out of range for {len(self.model.layers)} layers")
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, meta, kv.target[i])
+            if i in wanted:
+                tapped[i] = x
+        taps = torch.cat([tapped[i] for i in tap_layers], dim=-1) if tap_layers else None
+        return self.model.norm(x), taps
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

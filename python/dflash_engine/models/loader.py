@@ -1,0 +1,97 @@
+"""Load targets and DFlash drafts from Hugging Face directories (config.json + safetensors).
+
+Strict: every parameter must come from the checkpoint with the right shape, and every
+checkpoint tensor must be used (rotary inv_freq buffers and a tied lm_head excepted).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
+from .dflash import DFlashDraftModel
+from .llama import LlamaForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+
+TARGET_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
+
+
+def read_config(path: str | Path) -> dict:
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"no config.json in {path}")
+    return json.loads(config_path.read_text())
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"safetensors shards listed in {index} are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _ignorable(name: str, model: nn.Module) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    # Tied checkpoints sometimes still store lm_head; the embedding is the source of truth.
+    return name == "lm_head.weight" and getattr(model, "lm_head", 0) is None
+
+
+def load_weights(model: nn.Module, files: list[Path]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in params:
+                        if _ignorable(name, model):
+                            continue
+                        raise ValueError(f"unexpected tensor {name!r} in {file.name}")
+                    param = params[name]
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(param.shape):
+                        raise ValueError(
+                            f"shape mismatch for tensor {name!r} in {file.name}: "
+                            f"expected {tuple(param.shape)}, got {shape}"
+                        )
+                    param.copy_(f.get_tensor(name))
+                    loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
+
+
+def _build(cls, cfg, path, dtype: torch.dtype, device) -> nn.Module:
+    # Build without initialisation (meta device), then materialise and fill from the checkpoint.
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    load_weights(model, safetensors_files(path))
+    return model.eval().requires_grad_(False)
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu") -> nn.Module:
+    cfg = ModelConfig.from_dict(read_config(path))
+    return _build(TARGET_CLASSES[cfg.architecture], cfg, path, resolve_dtype(dtype, cfg.torch_dtype), device)
+
+
+def load_draft(
+    path: str | Path, target_config: ModelConfig, dtype: str | torch.dtype = "auto", device="cpu"
+) -> DFlashDraftModel:
+    cfg = DraftConfig.from_dict(read_config(path))
+    validate_draft_against_target(cfg, target_config)
+    return _build(DFlashDraftModel, cfg, path, resolve_dtype(dtype, cfg.torch_dtype), device)

@@ -1,0 +1,22 @@
+"""RMSNorm with Hugging Face numerics (float32 statistics, weight applied in input dtype)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(input_dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)

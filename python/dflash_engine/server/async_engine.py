@@ -1,0 +1,251 @@
+"""AsyncLLMEngine: the synchronous LLMEngine driven by one background thread.
+
+    event loop (asyncio)                         engine thread
+    --------------------                         -------------
+    add_request / abort  --> commands queue -->  applied between steps
+    RequestStream.get()  <-- call_soon_threadsafe <-- step() outputs, per request
+
+The engine is only touched from its thread, so the event loop never waits on a step.
+A step that raises past the engine's own isolation fails the requests the engine holds,
+aborts them so their pages return, and the loop goes on. The thread dies only when the
+engine cannot even be reset; ``is_healthy`` is then false and every request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailed(Exception):
+    """The engine finished the request with an error (the server answers 500)."""
+
+
+class RequestAborted(Exception):
+    """The request was aborted before it finished (client gone, or shutdown)."""
+
+
+class EngineDead(Exception):
+    """The engine thread has stopped; nothing can be served (the server answers 503)."""
+
+
+@dataclass
+class RequestStream:
+    """Outputs of one request, delivered on the event loop that created it."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_tokens: int = 0
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe: hands ``item`` to the consumer's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+    async def get(self) -> RequestOutput:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: Any, metrics: Any | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self._last_stats = engine.stats()
+
+    # ---- event-loop side ---------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def stats(self) -> Any:
+        """The engine's stats as of the end of the latest step (never races a step)."""
+        return self._last_stats
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; errors (including the engine's ValueError) arrive on the stream."""
+        if not self.is_healthy:
+            raise EngineDead(f"engine is not running: {self._dead!r}")
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self._commands.put(_Add(stream, list(prompt_token_ids), params, prompt))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; raise what failed it."""
+        stream = self.add_request(request_id, prompt_token_ids, params, prompt)
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                if out.finished and (out.error is not None or out.outputs[0].finish_reason == "error"):
+                    raise RequestFailed(out.error or "request failed in the engine")
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # ---- engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                if not self._apply_commands(block=not busy):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._last_stats = self.engine.stats()
+        except BaseException as e:  # the engine could not be reset: stop serving, truthfully
+            logger.exception("engine loop died")
+            self._dead = e
+        finally:
+            for stream in self._streams.values():
+                stream.put(EngineDead(f"engine stopped: {self._dead!r}"))
+            self._streams.clear()
+            self._fail_queued_adds()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command; False once shutdown is requested."""
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self._abort(cmd.request_id)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.stream.request_id
+        if rid in self._streams:
+            cmd.stream.put(ValueError(f"request id {rid!r} is already in flight"))
+            return
+        try:
+            self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt)
+        except ValueError as e:
+            cmd.stream.put(e)
+            return
+        self._streams[rid] = cmd.stream
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return  # already finished, or never admitted
+        self.engine.abort_request(request_id)
+        stream.put(RequestAborted(request_id))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # The engine is meant to contain step failures itself; this is the backstop.
+            logger.exception("engine step raised; failing its %d requests", len(self._streams))
+            for rid, stream in list(self._streams.items()):
+                self.engine.abort_request(rid)
+                stream.put(RequestFailed(f"engine step failed: {e!r}"))
+            self._streams.clear()
+            return
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            if self.metrics is not None:
+                self.metrics.observe_output(stream, out, now)
+            stream.put(out)
+
+    def _fail_queued_adds(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.stream.put(EngineDead("engine stopped"))

@@ -1,0 +1,91 @@
+"""Flags of `dflash-engine serve` and `dflash-engine bench serve`, named as vLLM names them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("concurrency values must be positive integers")
+    return values
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF-style model directory or .gguf file (default: the bundled "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", dest="model_flag", default=None,
+                        help="same as the positional MODEL")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients send as `model` (default: the model path)")
+    parser.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1/* "
+                             "(default: $DFLASH_API_KEY)")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks-override", "--num-blocks", dest="num_gpu_blocks_override",
+                        type=int, default=None, help="KV pool size in pages (skips memory sizing)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=False)
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        help='JSON, e.g. \'{"method": "dflash", "model": DRAFT_DIR, '
+                             '"num_speculative_tokens": 15}\'')
+    parser.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    return parser
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--base-url", default=None,
+                        help="server root, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--backend", choices=["openai", "openai-chat"], default="openai-chat",
+                        help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+    parser.add_argument("--model", default=None, help="model name (default: the server's first)")
+    parser.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY",
+                                                            os.environ.get("OPENAI_API_KEY")))
+    parser.add_argument("--dataset-name", choices=["random", "humaneval"], default="random")
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=512)
+    parser.add_argument("--humaneval-output-len", type=int, default=512)
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per rung")
+    parser.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32],
+                        help="comma-separated concurrency ladder")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: on for random, off for humaneval")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--result-dir", default=".")
+    parser.add_argument("--result-filename", default=None,
+                        help="JSON name; the PNG gets the same stem (default: timestamped)")
+    parser.add_argument("--label", default=None, help="free text recorded in the JSON and plot title")
+    parser.add_argument("--disable-tqdm", action="store_true")
+    return parser

@@ -1,0 +1,105 @@
+"""Prometheus metrics under the names vLLM's dashboards and `vllm bench serve` read.
+
+Latency histograms are observed per request by the engine thread as outputs arrive.
+Gauges and counters are read at scrape time from the engine's cumulative ``stats()``
+snapshot, so they can never drift from the engine's own accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bucket edges as in vLLM, so dashboards built for it read the same quantiles.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+# (metric name without _total, EngineStats field, help)
+_COUNTERS = [
+    ("vllm:prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+    ("vllm:num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+    ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens",
+     "Number of accepted tokens."),
+]
+_GAUGES = [
+    ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+]
+
+
+class _EngineStatsCollector:
+    def __init__(self, model_name: str, stats: Callable[[], Any]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        labels = ["model_name"]
+        for name, attr, doc in _GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model_name], float(getattr(s, attr)))
+            yield g
+        for name, attr, doc in _COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model_name], float(getattr(s, attr)))
+            yield c
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=["model_name", "position"],
+        )
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], float(n))
+        yield per_pos
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(
+                model_name
+            )
+
+        self.ttft = hist("vllm:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds",
+                        "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                         "Histogram of time per output token in seconds.", _ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds",
+                        "Histogram of end to end request latency in seconds.", _E2E_BUCKETS)
+        self.registry.register(_EngineStatsCollector(model_name, stats))
+
+    def observe_output(self, stream: Any, out: Any, now: float) -> None:
+        """One engine output of a request (engine thread); updates the stream's timing."""
+        if out.new_token_ids:
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+                self.ttft.observe(now - stream.arrival)
+            else:
+                self.itl.observe(now - stream.last_token_at)
+            stream.last_token_at = now
+            stream.num_tokens += len(out.new_token_ids)
+        if out.finished and out.error is None:
+            self.e2e.observe(now - stream.arrival)
+            if stream.num_tokens > 1:
+                self.tpot.observe((now - stream.first_token_at) / (stream.num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

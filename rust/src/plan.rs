@@ -1,0 +1,108 @@
+//! The step plan: everything the model runner needs for one step, as flat arrays.
+//!
+//! Target pass rows are grouped per request (`query_start_loc`). A prefill request
+//! contributes a chunk of its known tokens; a decoding request contributes its verify block
+//! `[bonus, d_1 .. d_{B-1}]` at positions `committed .. committed+B-1`, whose draft tokens
+//! the runner fills in from the draft pass (`verify_target_rows[i] <- verify_draft_rows[i]`).
+//! The draft pass holds one block `[bonus, MASK x (B-1)]` per decoding request at the same
+//! positions and slots. Every slot and page id comes from here: Python derives none.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryKind {
+    /// Rows are tokens `start .. start+len`; `sample` when the last row yields the first token.
+    Prefill { start: usize, len: usize, sample: bool },
+    /// Verify block of B rows at `committed ..`.
+    Decode { committed: usize },
+}
+
+#[derive(Debug, Clone)]
+pub struct PlanEntry {
+    pub handle: u64,
+    pub kind: EntryKind,
+    /// First target row of this request.
+    pub q_start: usize,
+    /// First entry of this request in `sample_rows`.
+    pub sample_start: usize,
+    pub num_samples: usize,
+}
+
+impl PlanEntry {
+    /// Draft tokens proposed to this request in this step (the most it can accept).
+    pub fn num_drafts(&self) -> usize {
+        match self.kind {
+            EntryKind::Decode { .. } => self.num_samples - 1,
+            EntryKind::Prefill { .. } => 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct PassArrays {
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub slot_mapping: Vec<i64>,
+    /// R+1 offsets.
+    pub query_start_loc: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    /// Row-major `[R, max_pages]`, padded with the null page.
+    pub block_tables: Vec<i32>,
+    pub max_pages: usize,
+}
+
+impl PassArrays {
+    pub fn num_rows(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    pub fn num_reqs(&self) -> usize {
+        self.seq_lens.len()
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct StepPlan {
+    pub step_id: u64,
+    /// B = num_speculative_tokens + 1 (1 when speculation is off).
+    pub block_rows: usize,
+    pub entries: Vec<PlanEntry>,
+    pub target: PassArrays,
+    /// Target rows whose logits are sampled: the last prompt row, or all B verify rows.
+    pub sample_rows: Vec<i64>,
+    pub draft: PassArrays,
+    /// For each decoding request in draft order, its index into `entries`.
+    pub draft_entry: Vec<i64>,
+    pub verify_target_rows: Vec<i64>,
+    pub verify_draft_rows: Vec<i64>,
+    /// Requests preempted while building this plan.
+    pub preempted: Vec<u64>,
+}
+
+impl StepPlan {
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Target rows whose tap hidden states become draft context, given the accepted counts:
+    /// every prefill row, and the first `accepted+1` rows of each verify block.
+    pub fn context_rows(&self, accepted: &[u32]) -> Result<Vec<i64>, String> {
+        if accepted.len() != self.entries.len() {
+            return Err(format!(
+                "accepted has {} entries, the plan has {} requests",
+                accepted.len(),
+                self.entries.len()
+            ));
+        }
+        let mut rows = Vec::with_capacity(self.target.num_rows());
+        for (e, &a) in self.entries.iter().zip(accepted) {
+            if a as usize > e.num_drafts() {
+                return Err(format!("request {}: accepted {a} > proposed {}", e.handle, e.num_drafts()));
+            }
+            let n = match e.kind {
+                EntryKind::Prefill { len, .. } => len,
+                EntryKind::Decode { .. } => a as usize + 1,
+            };
+            rows.extend((e.q_start..e.q_start + n).map(|r| r as i64));
+        }
+        Ok(rows)
+    }
+}
