@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from dflash_engine.models.config import ModelConfig
-from dflash_engine.ops import AttentionMetadata, RMSNorm, RotaryEmbedding, apply_rotary, paged_attention, write_kv
+from dflash_engine.ops import (
+    AttentionMetadata,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    paged_attention,
+    write_kv,
+)
 from dflash_engine.ops.activation import silu_and_mul
 
 BLOCK = 4

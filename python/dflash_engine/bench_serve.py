@@ -222,6 +222,9 @@ def _plot(result: dict, path: Path) -> None:
             ax.annotate("VOID", (c, 0), xycoords=("data", "axes fraction"), color="red",
                         rotation=90, va="bottom")
         ax.set_xscale("log", base=2)
+        ladder = [r["concurrency"] for r in result["rungs"]]
+        ax.set_xticks(ladder, [str(c) for c in ladder])
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -10,10 +10,11 @@
 //! - at most one plan is outstanding, and only its tickets can change request state.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::block_pool::{BlockPool, NULL_PAGE};
 use crate::error::{CoreError, CoreResult};
-use crate::plan::{EntryKind, PassArrays, PlanEntry, StepPlan};
+use crate::plan::{EntryKind, PlanEntry, StepPlan};
 use crate::request::{FinishReason, Phase, Request};
 
 #[derive(Debug, Clone)]
@@ -68,11 +69,31 @@ pub struct CommitOutput {
     pub finish: Option<FinishReason>,
 }
 
+/// Handles are sequential integers: hashing them is wasted work on the per-step path.
+#[derive(Default)]
+struct HandleHasher(u64);
+
+impl Hasher for HandleHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type HandleMap<V> = HashMap<u64, V, BuildHasherDefault<HandleHasher>>;
+
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
     pool: BlockPool,
-    requests: HashMap<u64, Request>,
+    requests: HandleMap<Request>,
     ids: HashMap<String, u64>,
     waiting: VecDeque<u64>,
     /// Admission order, oldest first; the newest is preempted first.
@@ -90,7 +111,7 @@ impl Scheduler {
         Ok(Scheduler {
             cfg,
             pool,
-            requests: HashMap::new(),
+            requests: HandleMap::default(),
             ids: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -289,11 +310,28 @@ impl Scheduler {
         let mut plan = StepPlan { step_id, block_rows: b, ..Default::default() };
         let max_pages = chosen.iter().map(|(h, _)| self.requests[h].pages.len()).max().unwrap_or(0);
         let num_decode = chosen.iter().filter(|(_, k)| matches!(k, EntryKind::Decode { .. })).count();
+        let bs = self.cfg.block_size;
+        let rows: usize = chosen
+            .iter()
+            .map(|(_, k)| match k {
+                EntryKind::Prefill { len, .. } => *len,
+                EntryKind::Decode { .. } => b,
+            })
+            .sum();
+        for v in [&mut plan.sample_rows, &mut plan.verify_target_rows, &mut plan.verify_draft_rows] {
+            v.reserve(num_decode * b + chosen.len());
+        }
         let t = &mut plan.target;
+        for v in [&mut t.input_ids, &mut t.positions, &mut t.slot_mapping] {
+            v.reserve(rows);
+        }
         t.max_pages = max_pages;
         t.query_start_loc.push(0);
         t.block_tables.reserve(chosen.len() * max_pages);
         let d = &mut plan.draft;
+        for v in [&mut d.input_ids, &mut d.positions, &mut d.slot_mapping] {
+            v.reserve(num_decode * b);
+        }
         d.max_pages = max_pages;
         d.query_start_loc.push(0);
         d.block_tables.reserve(num_decode * max_pages);
@@ -304,11 +342,9 @@ impl Scheduler {
             let sample_start = plan.sample_rows.len();
             let seq_len = match *kind {
                 EntryKind::Prefill { start, len, sample } => {
-                    for p in start..start + len {
-                        t.input_ids.push(req.tokens[p] as i64);
-                        t.positions.push(p as i64);
-                        t.slot_mapping.push(req.pages.slot(p));
-                    }
+                    t.input_ids.extend(req.tokens[start..start + len].iter().map(|&x| x as i64));
+                    t.positions.extend((start..start + len).map(|p| p as i64));
+                    push_slots(&mut t.slot_mapping, req.pages.pages(), bs, start, len);
                     if sample {
                         plan.sample_rows.push((q_start + len - 1) as i64);
                     }
@@ -317,22 +353,17 @@ impl Scheduler {
                 EntryKind::Decode { committed } => {
                     let bonus = req.tokens[committed] as i64;
                     let d_start = d.input_ids.len();
-                    for k in 0..b {
-                        let p = committed + k;
-                        let tok = if k == 0 { bonus } else { mask };
-                        let slot = req.pages.slot(p);
-                        t.input_ids.push(tok);
-                        t.positions.push(p as i64);
-                        t.slot_mapping.push(slot);
-                        plan.sample_rows.push((q_start + k) as i64);
-                        d.input_ids.push(tok);
-                        d.positions.push(p as i64);
-                        d.slot_mapping.push(slot);
-                        if k > 0 {
-                            plan.verify_target_rows.push((q_start + k) as i64);
-                            plan.verify_draft_rows.push((d_start + k) as i64);
-                        }
-                    }
+                    let block = (committed..committed + b).map(|p| p as i64);
+                    t.input_ids.push(bonus);
+                    t.input_ids.extend(std::iter::repeat_n(mask, b - 1));
+                    t.positions.extend(block.clone());
+                    push_slots(&mut t.slot_mapping, req.pages.pages(), bs, committed, b);
+                    d.input_ids.extend_from_slice(&t.input_ids[q_start..]);
+                    d.positions.extend(block);
+                    d.slot_mapping.extend_from_slice(&t.slot_mapping[q_start..]);
+                    plan.sample_rows.extend((q_start..q_start + b).map(|r| r as i64));
+                    plan.verify_target_rows.extend((q_start + 1..q_start + b).map(|r| r as i64));
+                    plan.verify_draft_rows.extend((d_start + 1..d_start + b).map(|r| r as i64));
                     d.query_start_loc.push(d.input_ids.len() as i32);
                     d.seq_lens.push((committed + b) as i32);
                     push_table(&mut d.block_tables, req.pages.pages(), max_pages);
@@ -580,6 +611,19 @@ impl Scheduler {
             return Err("more running requests than max_num_seqs".into());
         }
         Ok(())
+    }
+}
+
+/// Slots of positions `start .. start+len`, walking pages instead of dividing per row.
+fn push_slots(dst: &mut Vec<i64>, pages: &[u32], bs: usize, start: usize, len: usize) {
+    let (mut page, mut off) = (start / bs, start % bs);
+    for _ in 0..len {
+        dst.push(pages[page] as i64 * bs as i64 + off as i64);
+        off += 1;
+        if off == bs {
+            off = 0;
+            page += 1;
+        }
     }
 }
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ..ops.attention import AttentionMetadata, write_kv
 from ..ops.norm import RMSNorm
 from .config import DraftConfig
-from .layers import DecoderLayer, make_rotary
+from .layers import DecoderLayer, Linear, make_rotary
 
 
 class DFlashDraftModel(nn.Module):
@@ -22,7 +22,7 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)

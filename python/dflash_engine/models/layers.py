@@ -5,6 +5,7 @@ Module and parameter names mirror Hugging Face so checkpoint names map one to on
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.activation import silu_and_mul
@@ -14,6 +15,24 @@ from ..ops.rotary import RotaryEmbedding, apply_rotary
 from .config import ModelConfig
 
 KVLayer = tuple[Tensor, Tensor]
+
+
+def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] @ weight.T, each row's bits independent of M on CPU.
+
+    CPU BLAS picks its kernel (GEMV vs GEMM, blocking) from the row count, so a plain
+    F.linear gives a request different bits alone and batched. A batch of 1-row matmuls
+    runs every row through the same kernel. Other devices use F.linear.
+    """
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    out = torch.bmm(x.unsqueeze(1), weight.t().expand(x.shape[0], *weight.t().shape)).squeeze(1)
+    return out if bias is None else out + bias
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return invariant_linear(x, self.weight, self.bias)
 
 
 def make_rotary(cfg: ModelConfig) -> RotaryEmbedding:
@@ -29,10 +48,10 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         bias = cfg.attention_bias
         h, q_dim, kv_dim = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(h, q_dim, bias=bias)
-        self.k_proj = nn.Linear(h, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(h, kv_dim, bias=bias)
-        self.o_proj = nn.Linear(q_dim, h, bias=bias)
+        self.q_proj = Linear(h, q_dim, bias=bias)
+        self.k_proj = Linear(h, kv_dim, bias=bias)
+        self.v_proj = Linear(h, kv_dim, bias=bias)
+        self.o_proj = Linear(q_dim, h, bias=bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -67,9 +86,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
@@ -110,7 +129,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.rotary = make_rotary(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        tied = cfg.tie_word_embeddings
+        self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.embed_tokens(ids)
@@ -138,4 +158,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return invariant_linear(hidden, weight).float()

@@ -69,7 +69,8 @@ def _yarn_inv_freq(
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = torch.clamp((dims - low) / (high - low), 0, 1)
 
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)

@@ -1,0 +1,91 @@
+"""Type stubs for the Rust core (rust/src/python.rs)."""
+
+from typing import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+NULL_PAGE: int
+
+class CoreError(Exception): ...
+class InvalidConfigError(CoreError): ...
+class RequestRejectedError(CoreError): ...
+class DuplicateRequestError(CoreError): ...
+class UnknownRequestError(CoreError): ...
+class PlanOutstandingError(CoreError): ...
+class StalePlanError(CoreError): ...
+class InvalidCommitError(CoreError): ...
+
+_Ints = npt.NDArray[np.int64] | Sequence[int]
+
+class StepPlan:
+    step_id: int
+    block_rows: int
+    handles: npt.NDArray[np.uint64]
+    num_drafts: npt.NDArray[np.int64]
+    sample_start: npt.NDArray[np.int64]
+    input_ids: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    block_tables: npt.NDArray[np.int32]
+    sample_rows: npt.NDArray[np.int64]
+    draft_input_ids: npt.NDArray[np.int64]
+    draft_positions: npt.NDArray[np.int64]
+    draft_slot_mapping: npt.NDArray[np.int64]
+    draft_query_start_loc: npt.NDArray[np.int32]
+    draft_seq_lens: npt.NDArray[np.int32]
+    draft_block_tables: npt.NDArray[np.int32]
+    draft_entry: npt.NDArray[np.int64]
+    verify_target_rows: npt.NDArray[np.int64]
+    verify_draft_rows: npt.NDArray[np.int64]
+    preempted: npt.NDArray[np.uint64]
+    num_rows: int
+    num_decode: int
+    def __len__(self) -> int: ...
+    def entries(self) -> list[tuple[int, str, int, int, bool]]: ...
+    def context_rows(self, accepted: _Ints) -> npt.NDArray[np.int64]: ...
+
+class CommitResult:
+    handles: npt.NDArray[np.uint64]
+    offsets: npt.NDArray[np.int64]
+    new_tokens: npt.NDArray[np.int64]
+    finish_codes: npt.NDArray[np.uint8]
+    def __len__(self) -> int: ...
+    def items(self) -> list[tuple[int, list[int], str | None]]: ...
+
+class Scheduler:
+    num_running: int
+    num_waiting: int
+    num_live: int
+    num_free_pages: int
+    num_usable_pages: int
+    kv_usage: float
+    num_preemptions: int
+    block_size: int
+    block_rows: int
+    outstanding_step: int | None
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_speculative_tokens: int = 0,
+        mask_token_id: int = 0,
+    ) -> None: ...
+    def add_request(
+        self, request_id: str, prompt_token_ids: _Ints, max_tokens: int, stop_token_ids: _Ints | None = None
+    ) -> int: ...
+    def handle_of(self, request_id: str) -> int | None: ...
+    def abort(self, handle: int) -> None: ...
+    def finish(self, handle: int, reason: str) -> None: ...
+    def schedule(self) -> StepPlan: ...
+    def commit(self, plan: StepPlan, accepted: _Ints, sampled: _Ints) -> CommitResult: ...
+    def cancel(self, plan: StepPlan) -> None: ...
+    def fail(self, plan: StepPlan, reason: str = "error") -> list[int]: ...
+    def request_state(self, handle: int) -> tuple[str, int, list[int]]: ...
+    def check_invariants(self) -> None: ...

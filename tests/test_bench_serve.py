@@ -1,0 +1,84 @@
+"""`dflash-engine bench serve` against a live server writes JSON + PNG; failures make VOID rungs."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from dflash_engine import bench_serve
+from dflash_engine.server.cli_args import add_bench_args
+from server_fixtures import fresh_server, models_root, spec_on_server  # noqa: F401
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _args(server, tmp_path, *extra: str) -> argparse.Namespace:
+    return add_bench_args(argparse.ArgumentParser()).parse_args([
+        "--base-url", server.base_url, "--result-dir", str(tmp_path), "--result-filename", "run.json",
+        "--disable-tqdm", *extra])
+
+
+def _read(tmp_path) -> dict:
+    assert (tmp_path / "run.png").read_bytes().startswith(PNG_MAGIC)
+    return json.loads((tmp_path / "run.json").read_text())
+
+
+def test_random_ladder_writes_json_and_png(spec_on_server, tmp_path):
+    args = _args(spec_on_server, tmp_path, "--concurrency", "1,4", "--num-prompts", "4",
+                 "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "8",
+                 "--backend", "openai")
+    assert bench_serve.main(args) == 0
+    result = _read(tmp_path)
+    assert [r["concurrency"] for r in result["rungs"]] == [1, 4]
+    for rung in result["rungs"]:
+        assert rung["status"] == "OK" and rung["ok"] == 4 and rung["failed"] == 0
+        assert rung["mean_output_tokens"] == 8 and rung["mean_prompt_tokens"] == 24
+        assert rung["output_throughput"] > 0 and rung["total_token_throughput"] > rung["output_throughput"]
+        assert rung["mean_ttft_ms"] > 0 and rung["p99_ttft_ms"] >= rung["mean_ttft_ms"] * 0.999
+        assert rung["mean_tpot_ms"] > 0 and rung["mean_itl_ms"] > 0
+        assert 1.0 <= rung["tau"]  # spec on: τ read from the server's /metrics
+    assert result["config"]["model"] == "tiny-qwen3" and "api_key" not in result["config"]
+
+
+def test_humaneval_chat(fresh_server, tmp_path):
+    server = fresh_server(max_model_len=2048)
+    args = _args(server, tmp_path, "--concurrency", "2", "--num-prompts", "2",
+                 "--dataset-name", "humaneval", "--humaneval-output-len", "6", "--backend", "openai-chat")
+    assert bench_serve.main(args) == 0
+    (rung,) = _read(tmp_path)["rungs"]
+    assert rung["status"] == "OK" and rung["mean_prompt_tokens"] > 50
+
+
+class PoisonOnce:
+    """Fails the first request it sees once armed."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def step(self, request_ids):
+        pass
+
+    def request(self, request_id):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected bench fault")
+
+
+def test_failed_request_makes_the_rung_void(fresh_server, tmp_path, monkeypatch):
+    server = fresh_server()
+    server.engine.fault_injector = injector = PoisonOnce()
+    real_send, sent = bench_serve._send, []
+
+    async def send(*args):
+        sent.append(1)
+        if len(sent) == 2:  # after the warm-up: the first rung loses exactly one request
+            injector.armed = True
+        return await real_send(*args)
+
+    monkeypatch.setattr(bench_serve, "_send", send)
+    args = _args(server, tmp_path, "--concurrency", "1,2", "--num-prompts", "3",
+                 "--random-input-len", "8", "--random-output-len", "4")
+    assert bench_serve.main(args) == 1
+    void, ok = _read(tmp_path)["rungs"]
+    assert void["status"] == "VOID" and void["failed"] == 1 and void["ok"] == 2
+    assert "injected bench fault" in void["error"] and "output_throughput" not in void
+    assert ok["status"] == "OK" and ok["ok"] == 3

@@ -1,0 +1,120 @@
+"""Injected faults under concurrent load fail only the requests they hit; the server keeps
+serving, /health stays truthful, and the KV pool drains back to full."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+
+from server_fixtures import MODEL_NAME, fresh_server, models_root  # noqa: F401
+
+
+class Faults:
+    """engine.fault_injector: requests whose id holds 'poison' fail alone; a step that holds
+    a 'boom' request fails whole."""
+
+    def step(self, request_ids: list[str]) -> None:
+        if any("boom" in r for r in request_ids):
+            raise RuntimeError("injected step fault")
+
+    def request(self, request_id: str) -> None:
+        if "poison" in request_id:
+            raise RuntimeError("injected request fault")
+
+
+async def _one(c: openai.AsyncOpenAI, i: int, tag: str, max_tokens: int, delay: float) -> int | Exception:
+    """Completion tokens on success, the exception otherwise; even i streams."""
+    await asyncio.sleep(delay)
+    headers = {"X-Request-Id": f"{tag}-{i}"}
+    try:
+        if i % 2 == 0:
+            stream = await c.completions.create(
+                model=MODEL_NAME, prompt=f"load {i}", max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                extra_headers=headers)
+            chunks = [ch async for ch in stream]
+            return chunks[-1].usage.completion_tokens
+        r = await c.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": f"load {i}"}], max_tokens=max_tokens,
+            temperature=0, extra_body={"ignore_eos": True}, extra_headers=headers)
+        return r.usage.completion_tokens
+    except openai.APIError as e:
+        return e
+
+
+async def _load(server, tags: list[str], max_tokens: int, stagger: float = 0.02) -> list:
+    c = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+    try:
+        return await asyncio.gather(*(_one(c, i, t, max_tokens, stagger * i) for i, t in enumerate(tags)))
+    finally:
+        await c.close()
+
+
+def _assert_serves_and_drains(server) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert asyncio.run(_load(server, ["after"] * 4, 6)) == [6] * 4
+    stats = server.wait_idle()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.kv_cache_usage == 0
+
+
+def test_request_fault_fails_only_that_request(fresh_server):
+    server = fresh_server()
+    server.engine.fault_injector = Faults()
+    tags = ["ok", "ok", "poison", "ok", "ok", "poison", "ok", "ok"]
+    results = asyncio.run(_load(server, tags, 12))
+    for tag, res in zip(tags, results):
+        if tag == "poison":
+            assert isinstance(res, openai.APIError) and "injected request fault" in str(res), res
+        else:
+            assert res == 12, res
+    non_streamed_poison = results[5]
+    assert isinstance(non_streamed_poison, openai.InternalServerError)
+    _assert_serves_and_drains(server)
+
+
+def test_step_fault_fails_that_step_only(fresh_server):
+    server = fresh_server()
+    server.engine.fault_injector = Faults()
+    # The 'boom' request joins while the others decode; the step it enters fails whole.
+    tags = ["ok"] * 5 + ["boom"] + ["ok"] * 2
+    results = asyncio.run(_load(server, tags, 16))
+    assert isinstance(results[5], openai.APIError) and "injected step fault" in str(results[5])
+    for res in results:
+        assert res == 16 or (isinstance(res, openai.APIError) and "injected step fault" in str(res)), res
+    _assert_serves_and_drains(server)
+
+
+def test_step_that_raises_out_of_the_engine_is_contained(fresh_server):
+    """The async engine's backstop: engine.step() itself raising once."""
+    server = fresh_server()
+    real_step, calls = server.engine.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("step exploded")
+        return real_step()
+
+    server.engine.step = flaky_step
+    results = asyncio.run(_load(server, ["ok"] * 4, 8, stagger=0))
+    assert any(isinstance(r, openai.APIError) and "step exploded" in str(r) for r in results), results
+    assert all(r == 8 or isinstance(r, openai.APIError) for r in results)
+    _assert_serves_and_drains(server)
+
+
+def test_health_is_503_only_when_the_engine_cannot_serve(fresh_server):
+    server = fresh_server()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+    def broken(*_args):
+        raise RuntimeError("unrecoverable")
+
+    server.engine.step = broken
+    server.engine.abort_request = broken  # so the failed step cannot even be reset
+    r = httpx.post(f"{server.base_url}/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
+    assert r.status_code in (500, 503) and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{server.url}/health").status_code == 503
+    r = httpx.post(f"{server.base_url}/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503
