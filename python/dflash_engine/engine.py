@@ -1,0 +1,252 @@
+"""LLMEngine: schedule (Rust) -> execute (torch) -> commit (Rust) -> outputs.
+
+Not thread-safe: one thread drives `step()`; the async engine serialises add/abort.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import _core
+from .config import EngineConfig
+from .gguf_convert import resolve_model_path
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput
+from .request_state import RequestState
+from .sampler import SamplingTensors
+from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+_MAX_LEN_CAP = 8192
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ = 1 + accepted / drafts (the committed tokens per verify step)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+
+class FaultInjector:
+    """Test hook: override to raise inside a step or while processing one request."""
+
+    def step(self, request_ids: list[str]) -> None:  # noqa: B027
+        pass
+
+    def request(self, request_id: str) -> None:  # noqa: B027
+        pass
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_path = resolve_model_path(config.model)
+        self.model_path = Path(model_path)
+        self.tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").exists() else None
+        from .models.config import ModelConfig
+        from .models.loader import read_config
+
+        mcfg = ModelConfig.from_dict(read_config(model_path))
+        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, _MAX_LEN_CAP)
+        self.runner = ModelRunner(config, self.model_path, self.max_model_len)
+        self.model_config = self.runner.model_config
+        self.num_speculative_tokens = self.runner.num_speculative_tokens
+        b = self.num_speculative_tokens + 1
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, b * config.max_num_seqs)
+        self.scheduler = _core.Scheduler(
+            num_pages=self.runner.num_pages,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_speculative_tokens=self.num_speculative_tokens,
+            mask_token_id=self.runner.mask_token_id,
+        )
+        eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        self.eos_token_ids = sorted(eos | set(self.model_config.eos_token_ids))
+        self._requests: dict[int, RequestState] = {}
+        self._by_id: dict[str, int] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self._stats = EngineStats(spec_accepted_per_pos=[0] * self.num_speculative_tokens)
+        self.fault_injector: FaultInjector | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(**kwargs))
+
+    # ---- capacity ---------------------------------------------------------------
+    @property
+    def num_usable_pages(self) -> int:
+        return self.scheduler.num_usable_pages
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many full-length requests the KV pool holds at once."""
+        per_seq = -(-(self.max_model_len + self.num_speculative_tokens + 1) // self.config.block_size)
+        return self.num_usable_pages / per_seq
+
+    # ---- requests ---------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        if request_id in self._by_id:
+            raise ValueError(f"request id {request_id!r} is already running")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        params.validate()
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops |= set(self.eos_token_ids)
+        try:
+            handle = self.scheduler.add_request(request_id, np.asarray(ids, np.int64), max_tokens, sorted(stops))
+        except _core.RequestRejectedError as e:
+            raise ValueError(str(e)) from None
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
+        self._requests[handle] = RequestState(
+            request_id, handle, prompt, ids, params, seed & ((1 << 63) - 1), self.tokenizer
+        )
+        self._by_id[request_id] = handle
+        self._stats.prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        handle = self._by_id.get(request_id)
+        if handle is None:
+            return None
+        self.scheduler.abort(handle)
+        return self._finish(handle, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self._stats.num_preemptions += len(plan.preempted)
+        if len(plan) == 0:
+            self.scheduler.commit(plan, np.zeros(0, np.int64), np.zeros(0, np.int64))
+            return []
+        try:
+            if self.fault_injector is not None:
+                self.fault_injector.step([self._requests[int(h)].request_id for h in plan.handles])
+            accepted, sampled = self.runner.execute(plan, self._sampling_tensors(plan))
+            result = self.scheduler.commit(plan, accepted, sampled)
+        except Exception as e:  # a failed step fails its own requests, never the engine
+            logger.exception("engine step failed; failing the %d requests of this step", len(plan))
+            if self.scheduler.outstanding_step is not None:
+                self.scheduler.fail(plan, "error")
+            return [self._finish(int(h), "error", f"engine step failed: {e}") for h in plan.handles
+                    if int(h) in self._requests]
+        self._record_spec(plan, accepted)
+        return self._process(result)
+
+    def _sampling_tensors(self, plan) -> SamplingTensors:
+        reqs = [self._requests[int(h)] for h in plan.handles]
+        counts = np.diff(plan.sample_start)
+        vocab = self.model_config.vocab_size
+
+        def col(values, dtype):
+            return np.repeat(np.asarray(values, dtype=dtype), counts)
+
+        p = [r.params for r in reqs]
+        return SamplingTensors.from_numpy(
+            {
+                "greedy": col([x.greedy for x in p], np.bool_),
+                "temperature": col([max(x.temperature, 1e-5) for x in p], np.float32),
+                "top_k": col([x.top_k if x.top_k > 0 else vocab for x in p], np.int64),
+                "top_p": col([x.top_p for x in p], np.float32),
+                "min_p": col([x.min_p for x in p], np.float32),
+                "seed": col([r.seed for r in reqs], np.int64),
+                "position": plan.positions[plan.sample_rows] + 1,
+            },
+            self.runner.device,
+        )
+
+    def _record_spec(self, plan, accepted: np.ndarray) -> None:
+        drafts = plan.num_drafts
+        spec = drafts > 0
+        n = int(spec.sum())
+        if n == 0:
+            return
+        s = self._stats
+        s.spec_num_drafts += n
+        s.spec_num_draft_tokens += int(drafts[spec].sum())
+        acc = accepted[spec]
+        s.spec_num_accepted_tokens += int(acc.sum())
+        for pos in range(self.num_speculative_tokens):
+            s.spec_accepted_per_pos[pos] += int((acc > pos).sum())
+
+    def _process(self, result) -> list[RequestOutput]:
+        outputs = []
+        offsets, tokens, codes = result.offsets, result.new_tokens, result.finish_codes
+        for i, h in enumerate(result.handles.tolist()):
+            req = self._requests[h]
+            new = tokens[offsets[i]:offsets[i + 1]].tolist()
+            reason = _FINISH.get(int(codes[i]))
+            if not new and reason is None:
+                continue  # a prefill chunk that produced nothing visible yet
+            try:
+                if self.fault_injector is not None:
+                    self.fault_injector.request(req.request_id)
+                stopped = req.append(new)
+            except Exception as e:  # one request's failure finishes only that request
+                logger.exception("request %s failed", req.request_id)
+                if reason is None:
+                    self.scheduler.finish(h, "error")
+                outputs.append(self._finish(h, "error", f"request processing failed: {e}"))
+                continue
+            self._stats.generation_tokens += len(new)
+            if stopped:
+                if reason is None:
+                    self.scheduler.finish(h, "stop")
+                reason = "stop"
+            outputs.append(self._finish(h, reason) if reason else req.output())
+        return outputs
+
+    def _finish(self, handle: int, reason: str, error: str | None = None) -> RequestOutput:
+        req = self._requests.pop(handle)
+        del self._by_id[req.request_id]
+        return req.finish(reason, error)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = self.scheduler.kv_usage
+        return s
+
+
+__all__ = ["LLMEngine", "EngineStats", "FaultInjector", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,114 @@
+"""Offline API in vLLM's shape: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .engine import EngineStats, LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative_config: dict | str | None = None,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+    ):
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model, speculative_config=speculative_config, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, num_gpu_blocks_override=num_gpu_blocks_override,
+                max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, seed=seed,
+                block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+            )
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompts must be strings or dicts, got {type(prompt).__name__}")
+        if self.engine.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer; pass {'prompt_token_ids': [...]}")
+        return prompt, self.engine.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        order = []
+        for prompt, p in zip(prompts, params):
+            text, ids = self._tokenize(prompt)
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, p, prompt=text)
+            order.append(rid)
+        return self._run(order, use_tqdm and len(order) > 1)
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [done[r] for r in order]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+            for text in (tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations)
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> EngineStats:
+        """Acceptance statistics: drafts, draft tokens, accepted tokens, per position, τ."""
+        return self.engine.stats()

@@ -1,0 +1,128 @@
+"""Runs one step plan: draft pass, target verify/prefill pass, sampling, acceptance, and
+the draft-context write for exactly the committed rows (DFLASH.md, "One speculative step").
+
+Everything positional (rows, slots, pages, positions) comes from the Rust plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import EngineConfig
+from .kv_cache import KVCache
+from .models import load_draft, load_target
+from .ops.attention import AttentionMetadata
+from .sampler import SamplingTensors, sample
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BYTES_DEFAULT = 1 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return dev
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_path: Path, max_model_len: int):
+        self.device = resolve_device(cfg.device)
+        self.target = load_target(model_path, cfg.dtype, self.device)
+        self.model_config = self.target.config
+        self.dtype = self.target.model.embed_tokens.weight.dtype
+        self.draft = None
+        self.num_speculative_tokens = 0
+        self.tap_layers: list[int] | None = None
+        self.mask_token_id = 0
+        spec = cfg.speculative_config
+        if spec is not None:
+            self.draft = load_draft(spec.model, self.model_config, cfg.dtype, self.device)
+            dcfg = self.draft.config
+            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else dcfg.block_size - 1
+            if n >= dcfg.block_size:
+                raise ValueError(
+                    f"num_speculative_tokens ({n}) must be < the draft's block_size ({dcfg.block_size})"
+                )
+            self.num_speculative_tokens = n
+            self.tap_layers = list(dcfg.target_layer_ids)
+            self.mask_token_id = dcfg.mask_token_id
+        self.block_size = cfg.block_size
+        self.bytes_per_page = KVCache.bytes_per_page(
+            self.model_config, self.draft.config if self.draft else None, cfg.block_size, self.dtype
+        )
+        self.num_pages = self._num_pages(cfg, max_model_len)
+        self.kv = KVCache.allocate(
+            self.model_config, self.draft.config if self.draft else None,
+            self.num_pages, cfg.block_size, self.dtype, self.device,
+        )
+
+    def _num_pages(self, cfg: EngineConfig, max_model_len: int) -> int:
+        """Pages in the pool, null page included: the only capacity number."""
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override + 1
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations and logits of the largest step.
+            reserve = (1 << 30) + 4 * self.model_config.vocab_size * 4096 * 2
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
+            if budget < 2 * self.bytes_per_page:
+                raise ValueError("not enough GPU memory left for the KV cache")
+            return budget // self.bytes_per_page
+        # CPU: a byte budget, capped by what max_num_seqs full-length requests can use.
+        budget = int(float(os.environ.get("DFLASH_CPU_KV_CACHE_GB", "0") or 0) * (1 << 30)) or _CPU_KV_BYTES_DEFAULT
+        per_seq = -(-(max_model_len + self.num_speculative_tokens + 1) // cfg.block_size)
+        return max(2, min(budget // self.bytes_per_page, cfg.max_num_seqs * per_seq + 1))
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def _meta(self, slots, qsl, seq_lens, tables, causal: bool) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._t(slots), query_start_loc=self._t(qsl), seq_lens=self._t(seq_lens),
+            block_tables=self._t(tables), causal=causal,
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan, st: SamplingTensors) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (accepted drafts per plan entry, sampled token per plan sample row)."""
+        input_ids = self._t(plan.input_ids).clone()
+        draft_tokens = None
+        n_dec = len(plan.draft_seq_lens)
+        if self.draft is not None and n_dec:
+            meta = self._meta(plan.draft_slot_mapping, plan.draft_query_start_loc, plan.draft_seq_lens,
+                              plan.draft_block_tables, causal=False)
+            h = self.draft(self.target.embed(self._t(plan.draft_input_ids)), self._t(plan.draft_positions), meta, self.kv)
+            draft_tokens = self.target.compute_logits(h[self._t(plan.verify_draft_rows)]).argmax(-1)
+            input_ids[self._t(plan.verify_target_rows)] = draft_tokens
+
+        positions = self._t(plan.positions)
+        slots = self._t(plan.slot_mapping)
+        meta = self._meta(plan.slot_mapping, plan.query_start_loc, plan.seq_lens, plan.block_tables, causal=True)
+        hidden, taps = self.target(input_ids, positions, meta, self.kv, self.tap_layers)
+        logits = self.target.compute_logits(hidden[self._t(plan.sample_rows)])
+        sampled = sample(logits, st)
+
+        accepted = torch.zeros(len(plan), dtype=torch.int64, device=self.device)
+        if draft_tokens is not None:
+            b = plan.block_rows
+            rows = self._t(plan.sample_start[plan.draft_entry])[:, None] + torch.arange(b, device=self.device)
+            target_tokens = sampled[rows]  # [n_dec, B]: t_0 .. t_{B-1}
+            match = draft_tokens.view(n_dec, b - 1) == target_tokens[:, :-1]
+            accepted[self._t(plan.draft_entry)] = match.long().cumprod(dim=1).sum(dim=1)
+        accepted_np = accepted.cpu().numpy()
+        if self.draft is not None:
+            # Committed rows' taps become draft context now, in this step, at their own slots.
+            ctx = self._t(plan.context_rows(accepted_np))
+            if ctx.numel():
+                self.draft.write_context(taps[ctx], positions[ctx], slots[ctx], self.kv)
+        return accepted_np, sampled.cpu().numpy()

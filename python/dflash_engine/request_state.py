@@ -1,0 +1,87 @@
+"""Python-side view of one request: text, stop strings, streaming deltas, timings.
+
+Token-level state (committed, bonus, pages) lives in the Rust core; this only keeps what
+the user sees.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        handle: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        tokenizer: Tokenizer | None,
+    ):
+        self.request_id = request_id
+        self.handle = handle
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seed = seed
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        self._stopped_by_string = False
+        self._new_ids: list[int] = []
+        self._new_text = ""
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+
+    def append(self, new_ids: list[int]) -> bool:
+        """Add committed tokens; returns True when a stop string ended the text."""
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+        self.token_ids.extend(new_ids)
+        self._new_ids.extend(new_ids)
+        if self._detok is None or self._stopped_by_string:
+            return False
+        delta = self._detok.add_tokens(new_ids)
+        if self.params.stop_list:
+            idx = find_stop(self.text + delta, self.params.stop_list, start=len(self.text))
+            if idx is not None:
+                delta = (self.text + delta)[:idx][len(self.text):]
+                self._stopped_by_string = True
+        self.text += delta
+        self._new_text += delta
+        return self._stopped_by_string
+
+    def output(self, finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[CompletionOutput(0, self.text, list(self.token_ids), finish_reason)],
+            finished=finish_reason is not None,
+            new_token_ids=self._new_ids,
+            new_text=self._new_text,
+            error=error,
+            metrics={
+                "arrival_time": self.arrival_time,
+                "first_token_time": self.first_token_time,
+                "token_times": self.token_times,
+            },
+        )
+        self._new_ids, self._new_text = [], ""
+        return out
+
+    def finish(self, reason: str, error: str | None = None) -> RequestOutput:
+        if self._detok is not None and not self._stopped_by_string:
+            tail = self._detok.flush()
+            self.text += tail
+            self._new_text += tail
+        return self.output(reason, error)
