@@ -73,11 +73,6 @@ def tiny_model_dirs(root: Path) -> tuple[Path, Path]:
 
 
 def make_engine(root: Path, spec: bool, **overrides: Any) -> Any:
-    import importlib.util  # DEV-ONLY fallback, removed once engine.py lands
-    if importlib.util.find_spec("dflash_engine.engine") is None:
-        from fake_engine import FakeEngine
-        return FakeEngine(tiny_model_dirs(root)[0], max_num_seqs=8,
-                          max_model_len=overrides.get("max_model_len", MAX_MODEL_LEN))
     from dflash_engine.engine import LLMEngine
 
     target, draft = tiny_model_dirs(root)

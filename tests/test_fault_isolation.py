@@ -77,12 +77,24 @@ def test_request_fault_fails_only_that_request(fresh_server):
 def test_step_fault_fails_that_step_only(fresh_server):
     server = fresh_server()
     server.engine.fault_injector = Faults()
-    # The 'boom' request joins while the others decode; the step it enters fails whole.
-    tags = ["ok"] * 5 + ["boom"] + ["ok"] * 2
-    results = asyncio.run(_load(server, tags, 16))
-    assert isinstance(results[5], openai.APIError) and "injected step fault" in str(results[5])
-    for res in results:
-        assert res == 16 or (isinstance(res, openai.APIError) and "injected step fault" in str(res)), res
+
+    async def scenario():
+        c = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        try:
+            short = [asyncio.create_task(_one(c, i, "short", 4, 0)) for i in range(3)]
+            long = [asyncio.create_task(_one(c, i, "long", 48, 0)) for i in range(3)]
+            done_before = await asyncio.gather(*short)
+            # 'boom' joins while the long requests decode; the step it enters fails whole.
+            boom = await _one(c, 9, "boom", 8, 0)
+            return done_before, await asyncio.gather(*long), boom
+        finally:
+            await c.close()
+
+    done_before, long, boom = asyncio.run(scenario())
+    assert done_before == [4, 4, 4]  # finished before the fault: untouched
+    assert isinstance(boom, openai.APIError) and "injected step fault" in str(boom)
+    for res in long:
+        assert res == 48 or (isinstance(res, openai.APIError) and "injected step fault" in str(res)), res
     _assert_serves_and_drains(server)
 
 

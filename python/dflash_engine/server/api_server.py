@@ -389,4 +389,24 @@ def build_app(
 
 
 def run_server(args: Any) -> None:
-    raise NotImplementedError  # replaced once engine.py lands
+    """`dflash-engine serve`: build the engine from the flags, report capacity, serve."""
+    import uvicorn
+
+    from ..engine import LLMEngine
+    from .cli_args import engine_kwargs
+
+    if args.enable_prefix_caching:
+        raise SystemExit("--enable-prefix-caching: prefix caching is not implemented in "
+                         "dflash-engine yet; run without it (--no-enable-prefix-caching)")
+    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+    block_size = engine.config.block_size
+    spec = engine.config.speculative_config
+    print(f"model: {engine.model_path}  max_model_len: {engine.max_model_len}  speculative: "
+          + (f"dflash draft {spec.model}, {engine.num_speculative_tokens} tokens" if spec else "off"))
+    print(f"KV pool: {engine.num_usable_pages} pages x {block_size} tokens = "
+          f"{engine.num_usable_pages * block_size} tokens; max concurrency at max_model_len: "
+          f"{engine.max_concurrency:.2f} (max_num_seqs {engine.config.max_num_seqs})", flush=True)
+    served = args.served_model_name or args.model_flag or args.model or engine.model_path.name
+    app = build_app(AsyncLLMEngine(engine), served, api_key=args.api_key,
+                    model_root=str(engine.model_path))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -14,6 +14,7 @@ engine cannot even be reset; ``is_healthy`` is then false and every request fail
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -90,7 +91,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
-        self._last_stats = engine.stats()
+        self._last_stats = copy.deepcopy(engine.stats())
 
     # ---- event-loop side ---------------------------------------------------------------
 
@@ -100,7 +101,8 @@ class AsyncLLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
+        # The engine resolves the effective length (config.max_model_len may be None).
+        return self.engine.max_model_len
 
     @property
     def is_healthy(self) -> bool:
@@ -172,7 +174,8 @@ class AsyncLLMEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._last_stats = self.engine.stats()
+                # A copy: the engine updates its stats object in place during steps.
+                self._last_stats = copy.deepcopy(self.engine.stats())
         except BaseException as e:  # the engine could not be reset: stop serving, truthfully
             logger.exception("engine loop died")
             self._dead = e

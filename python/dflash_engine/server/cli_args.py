@@ -61,6 +61,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+_ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                 "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments from serve flags; unset flags keep the engine defaults."""
+    kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    kwargs["model"] = args.model_flag or args.model
+    return kwargs
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default=None,
                         help="server root, e.g. http://127.0.0.1:8000 (default: from --host/--port)")

@@ -1,0 +1,188 @@
+"""The engine on CPU (float32, reference ops): parity with transformers, and DFlash output
+equal to spec-off output token for token at every concurrency and under every pressure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, 250, size=int(rng.integers(3, 40))).tolist()} for _ in range(n)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def spec(draft_dir, n=None) -> dict:
+    cfg = {"method": "dflash", "model": str(draft_dir)}
+    if n is not None:
+        cfg["num_speculative_tokens"] = n
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir):
+    """Spec-off greedy outputs, each prompt generated alone."""
+    llm = LLM(model=str(qwen3_dir), device="cpu")
+    ps = prompts(32)
+    return ps, [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_matches_transformers(tmp_path, arch, tie):
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import make_tiny_llama, make_tiny_qwen3
+
+    path = (make_tiny_qwen3 if arch == "qwen3" else make_tiny_llama)(tmp_path / arch, tie_word_embeddings=tie)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    ps = prompts(4, seed=1)
+    outs = LLM(model=str(path), device="cpu").generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(ps, outs):
+        ids = torch.tensor([p["prompt_token_ids"]])
+        ref = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 8, 32])
+def test_dflash_equals_spec_off_at_any_concurrency(qwen3_dir, random_draft_dir, reference, concurrency):
+    ps, ref = reference
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=concurrency, speculative_config=spec(random_draft_dir))
+    assert tokens(llm.generate(ps[:max(concurrency, 8)], GREEDY, use_tqdm=False)) == ref[:max(concurrency, 8)]
+    assert llm.stats().spec_num_drafts > 0
+
+
+def test_dflash_lossless_under_chunked_prefill_and_preemption(qwen3_dir, random_draft_dir, reference):
+    ps, ref = reference
+    # A 24-token budget forces chunked prefill; 10 pages of 16 slots force preemption.
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=12, max_num_batched_tokens=24,
+              num_gpu_blocks_override=10, speculative_config=spec(random_draft_dir))
+    assert tokens(llm.generate(ps[:12], GREEDY, use_tqdm=False)) == ref[:12]
+    assert llm.stats().num_preemptions > 0
+    assert llm.engine.scheduler.num_free_pages == llm.engine.scheduler.num_usable_pages
+
+
+def test_stop_tokens_and_max_tokens_land_mid_block(qwen3_dir, random_draft_dir, reference):
+    ps, ref = reference
+    llm = LLM(model=str(qwen3_dir), device="cpu", speculative_config=spec(random_draft_dir))
+    params = []
+    for r in ref[:8]:
+        stop = r[9]
+        params.append(SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], ignore_eos=True))
+    outs = llm.generate(ps[:8], params, use_tqdm=False)
+    for r, o in zip(ref, outs):
+        cut = r.index(r[9]) + 1
+        assert o.outputs[0].token_ids == r[:cut] and o.outputs[0].finish_reason == "stop"
+    outs = llm.generate(ps[:8], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    for r, o in zip(ref, outs):
+        assert o.outputs[0].token_ids == r[:7] and o.outputs[0].finish_reason == "length"
+
+
+def test_requests_added_while_others_run(qwen3_dir, random_draft_dir, reference):
+    ps, ref = reference
+    engine = LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu", speculative_config=spec(random_draft_dir))
+    done = {}
+    for i in range(10):
+        engine.add_request(str(i), ps[i]["prompt_token_ids"], GREEDY)
+        for _ in range(i % 3 + 1):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[str(i)] for i in range(10)] == ref[:10]
+
+
+def test_seeded_sampling_is_reproducible_and_spec_invariant(qwen3_dir, random_draft_dir):
+    ps = prompts(6, seed=3)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, max_tokens=16, ignore_eos=True)
+              for i in range(6)]
+    off = LLM(model=str(qwen3_dir), device="cpu")
+    a = tokens(off.generate(ps, params, use_tqdm=False))
+    assert a == tokens(off.generate(ps, params, use_tqdm=False))
+    on = LLM(model=str(qwen3_dir), device="cpu", speculative_config=spec(random_draft_dir))
+    assert tokens(on.generate(ps, params, use_tqdm=False)) == a
+    other = [SamplingParams(temperature=0.9, seed=7 + i, max_tokens=16, ignore_eos=True) for i in range(6)]
+    assert tokens(off.generate(ps, other, use_tqdm=False)) != a
+
+
+def test_sampling_follows_the_target_distribution(qwen3_dir, random_draft_dir):
+    """First sampled token over many seeds vs the target's softmax (chi-square), spec on."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 17, 33, 60]
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1] / 0.8
+    top = torch.topk(logits, 6)
+    probs = torch.softmax(top.values, -1).numpy()
+    n = 1500
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=256, speculative_config=spec(random_draft_dir))
+    params = [SamplingParams(temperature=0.8, top_k=6, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    first = [o.outputs[0].token_ids[0] for o in outs]
+    ids = top.indices.tolist()
+    assert set(first) <= set(ids)
+    counts = np.array([first.count(t) for t in ids])
+    expected = probs * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (chi2, counts, expected)  # p ~ 0.001 at 5 degrees of freedom
+
+
+def test_bad_requests_are_refused_with_clear_errors(qwen3_dir):
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_model_len=64)
+    eng = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request("b", [1, 99999], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add_request("c", [1] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(model=str(qwen3_dir), device="cpu", speculative_config={"method": "eagle", "model": "x"})
+    eng.add_request("d", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="already"):
+        eng.add_request("d", [1, 2], GREEDY)
+    assert eng.abort_request("d").outputs[0].finish_reason == "abort"
+    assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages
+
+
+def test_num_speculative_tokens_must_fit_the_draft_block(qwen3_dir, random_draft_dir):
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model=str(qwen3_dir), device="cpu", speculative_config=spec(random_draft_dir, n=4))
+    llm = LLM(model=str(qwen3_dir), device="cpu", speculative_config=spec(random_draft_dir, n=2))
+    assert llm.engine.scheduler.block_rows == 3
+
+
+def test_text_prompts_chat_and_stop_strings(qwen3_dir):
+    llm = LLM(model=str(qwen3_dir), device="cpu")
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids == tok.encode("hello")
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+    text = out.outputs[0].text
+    ascii_chars = [c for c in (tok.decode([t]) for t in out.outputs[0].token_ids[1:]) if len(c) == 1 and c.isalnum()]
+    assert ascii_chars, "pick another prompt: no plain character generated"
+    stop = ascii_chars[0]
+    cut = llm.generate("hello", SamplingParams(temperature=0, max_tokens=10, stop=[stop], ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert cut.outputs[0].text == text[: text.index(stop)]
+    assert cut.outputs[0].finish_reason == "stop"
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert chat.prompt_token_ids == tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "hi"}]), add_special_tokens=False
+    )
