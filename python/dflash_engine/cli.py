@@ -1,0 +1,84 @@
+"""`dflash-engine {serve,generate,chat,convert,bench serve}`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from . import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model, speculative_config=args.speculative_config, device=args.device or "auto",
+        dtype=args.dtype or "auto", max_model_len=args.max_model_len,
+    )
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": p} for p in args.prompts][:1], params, use_tqdm=False)
+    else:
+        outs = llm.generate(list(args.prompts), params, use_tqdm=False)
+    for out in outs:
+        print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
+                          "finish_reason": out.outputs[0].finish_reason}, ensure_ascii=False))
+    st = llm.stats()
+    if st.spec_num_drafts:
+        print(f"# DFlash: drafts={st.spec_num_drafts} accepted={st.spec_num_accepted_tokens} "
+              f"tau={st.mean_acceptance_length:.2f}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .server.cli_args import _json_object, add_bench_args, add_serve_args
+
+    ap = argparse.ArgumentParser(prog="dflash-engine", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+
+    g = sub.add_parser("generate", help="generate from prompts offline and print JSON lines")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--model", default=None, help="HF directory or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--chat", action="store_true", help="wrap the first prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--speculative-config", type=_json_object, default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None)
+
+    sub.add_parser("convert", help="convert a llama GGUF into a Hugging Face directory", add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    add_bench_args(bsub.add_parser("serve", help="load generator against an OpenAI-compatible server"))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "convert":
+        from .gguf_convert import main as convert_main
+
+        return convert_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        if args.enable_prefix_caching:
+            print("error: --enable-prefix-caching is not supported yet (prefix caching is not built); "
+                  "run without it or pass --no-enable-prefix-caching", file=sys.stderr)
+            return 2
+        from .server.api_server import run_server
+
+        run_server(args)
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "bench":
+        from .bench_serve import main as bench_main
+
+        return bench_main(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
