@@ -23,12 +23,12 @@ PLAN_FIELDS = (
 def bench(num_reqs: int, block_rows: int, steps: int, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
     s = _core.Scheduler(
-        num_pages=num_reqs * 140 + 8, block_size=16, max_num_seqs=num_reqs,
+        num_pages=num_reqs * 232 + 8, block_size=16, max_num_seqs=num_reqs,
         max_num_batched_tokens=max(num_reqs * block_rows, 8192), max_model_len=4096,
         num_speculative_tokens=block_rows - 1, mask_token_id=1,
     )
     for i in range(num_reqs):
-        s.add_request(f"r{i}", np.arange(128, dtype=np.int64) + 5, 2000)
+        s.add_request(f"r{i}", np.arange(128, dtype=np.int64) + 5, 3500)
     while True:  # prefill everything (chunked by the token budget)
         p = s.schedule()
         decoding = int((p.num_drafts > 0).sum())
@@ -40,7 +40,7 @@ def bench(num_reqs: int, block_rows: int, steps: int, seed: int = 0) -> float:
         p = s.schedule()
         for f in PLAN_FIELDS:
             getattr(p, f)
-        acc = np.minimum(rng.integers(0, 4, size=len(p), dtype=np.int64), p.num_drafts)
+        acc = np.minimum(rng.integers(0, 3, size=len(p), dtype=np.int64), p.num_drafts)
         smp = np.full(len(p.sample_rows), 7, np.int64)
         s.commit(p, acc, smp)
 
