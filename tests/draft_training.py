@@ -38,7 +38,7 @@ from torch import Tensor
 
 from dflash_engine.models.config import DraftConfig
 from dflash_engine.models.dflash import DFlashDraftModel
-from dflash_engine.ops.rotary import apply_rotary
+from dflash_engine.ops.rotary import rotate_half
 from tiny_models import ENDOFTEXT_ID, SPECIAL_TOKENS, make_tiny_dflash_draft
 
 FIRST_RESERVED_ID = ENDOFTEXT_ID + len(SPECIAL_TOKENS)  # ids >= this are reserved tokens
@@ -73,12 +73,28 @@ def generate_training_data(
     model = AutoModelForCausalLM.from_pretrained(
         str(target_dir), dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    seqs = prompts.clone()
-    for _ in range(new_tokens):  # full recompute: tiny model, and no cache API surprises
-        logits = model(input_ids=seqs, use_cache=False).logits[:, -1]
-        seqs = torch.cat([seqs, logits.argmax(-1, keepdim=True)], dim=1)
-    out = model(input_ids=seqs, use_cache=False, output_hidden_states=True)
-    taps = torch.cat([out.hidden_states[layer + 1] for layer in tap_layers], dim=-1)
+    out = model(input_ids=prompts, use_cache=True)
+    seqs = torch.cat([prompts, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    for _ in range(new_tokens - 1):
+        out = model(input_ids=seqs[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        seqs = torch.cat([seqs, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    # Taps by forward hooks on the decoder layers: the residual stream after layer L. (HF's
+    # hidden_states[L+1] is that too, except for the last layer, where transformers returns
+    # the final-normed output instead.)
+    captured: dict[int, Tensor] = {}
+    layers = model.model.layers
+    hooks = [
+        layers[i].register_forward_hook(
+            lambda _m, _inp, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+        for i in set(tap_layers)
+    ]
+    try:
+        model(input_ids=seqs, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    taps = torch.cat([captured[layer] for layer in tap_layers], dim=-1)
     embed = model.get_input_embeddings().weight.detach().clone()
     lm_head = model.get_output_embeddings().weight.detach().clone()
     tied = lm_head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
@@ -98,8 +114,10 @@ def pick_mask_token(tokens: Tensor, vocab_size: int) -> int:
 # --------------------------------------------------------------------------- training forward
 
 
-def _gqa(x: Tensor, groups: int, dim: int) -> Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [N, T, heads, hd]; cos/sin [T, hd] (neox rotate-half, as ops.rotary.apply_rotary)."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return x * cos + rotate_half(x) * sin
 
 
 def dense_block_forward(
@@ -119,50 +137,42 @@ def dense_block_forward(
     n, s, _ = taps.shape
     _, a_num, b, h = block_embeds.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    groups = nh // nkv
     scale = hd**-0.5
 
     ctx = draft.hidden_norm(F.linear(taps, draft.fc.weight))  # [N, S, H]
     ctx_cos, ctx_sin = draft.rotary(torch.arange(s), ctx.dtype)  # [S, hd]
     blk_pos = (anchors[:, None] + torch.arange(b)[None, :]).flatten()  # [A*B]
     blk_cos, blk_sin = draft.rotary(blk_pos, ctx.dtype)
-    # context key s is visible to the block of anchor a iff s < a
-    ctx_visible = torch.arange(s)[None, :] < anchors[:, None]  # [A, S]
-    ctx_bias = torch.zeros(a_num, s).masked_fill(~ctx_visible, float("-inf"))
-    ctx_bias = ctx_bias[:, None, :].expand(a_num, b, s).reshape(a_num * b, s)  # [A*B, S]
+    # Keys are [context 0..S-1, every block row of every anchor]. Block row (a, k) sees the
+    # context strictly before a and the B rows of its own block (non-causal).
+    row_anchor = anchors.repeat_interleave(b)  # [A*B]
+    row_block = torch.arange(a_num).repeat_interleave(b)  # [A*B]
+    visible = torch.cat([
+        torch.arange(s)[None, :] < row_anchor[:, None],  # [A*B, S]
+        row_block[None, :] == row_block[:, None],  # [A*B, A*B]
+    ], dim=1)
+
+    def heads(t: Tensor, count: int) -> Tensor:  # [N, T, count*hd] -> [N, nh, T, hd] (GQA)
+        t = t.view(n, -1, count, hd).transpose(1, 2)
+        return t.repeat_interleave(nh // count, dim=1) if count != nh else t
 
     x = block_embeds.reshape(n, a_num * b, h)
     for layer in draft.layers:
         attn = layer.self_attn
-        # context K/V: no input_layernorm
-        kc = attn.k_norm(F.linear(ctx, attn.k_proj.weight).view(n * s, nkv, hd))
-        kc = apply_rotary(kc, ctx_cos.repeat(n, 1), ctx_sin.repeat(n, 1)).view(n, s, nkv, hd)
-        vc = F.linear(ctx, attn.v_proj.weight).view(n, s, nkv, hd)
-        # block Q/K/V
+        # context K/V straight from ctx: no input_layernorm
+        kc = attn.k_norm(F.linear(ctx, attn.k_proj.weight).view(n, s, nkv, hd))
+        kc = _rope(kc, ctx_cos, ctx_sin)
+        vc = F.linear(ctx, attn.v_proj.weight)
         hn = layer.input_layernorm(x)
-        cos, sin = blk_cos.repeat(n, 1), blk_sin.repeat(n, 1)
-        q = attn.q_norm(F.linear(hn, attn.q_proj.weight).view(n * a_num * b, nh, hd))
-        q = apply_rotary(q, cos, sin).view(n, a_num, b, nh, hd)
-        kb = attn.k_norm(F.linear(hn, attn.k_proj.weight).view(n * a_num * b, nkv, hd))
-        kb = apply_rotary(kb, cos, sin).view(n, a_num, b, nkv, hd)
-        vb = F.linear(hn, attn.v_proj.weight).view(n, a_num, b, nkv, hd)
-
-        kc_h = _gqa(kc, groups, 2).permute(0, 2, 3, 1)  # [N, nh, hd, S]
-        vc_h = _gqa(vc, groups, 2).transpose(1, 2)  # [N, nh, S, hd]
-        q_flat = q.reshape(n, a_num * b, nh, hd).transpose(1, 2)  # [N, nh, A*B, hd]
-        s_ctx = torch.matmul(q_flat, kc_h) * scale + ctx_bias  # [N, nh, A*B, S]
-        kb_h = _gqa(kb, groups, 3).permute(0, 1, 3, 4, 2)  # [N, A, nh, hd, B]
-        vb_h = _gqa(vb, groups, 3).transpose(2, 3)  # [N, A, nh, B, hd]
-        q_blk = q.transpose(2, 3)  # [N, A, nh, B, hd]
-        s_blk = torch.matmul(q_blk, kb_h) * scale  # [N, A, nh, B, B]
-        s_blk = s_blk.permute(0, 2, 1, 3, 4).reshape(n, nh, a_num * b, b)
-        probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
-        p_ctx, p_blk = probs[..., :s], probs[..., s:]
-        o_ctx = torch.matmul(p_ctx, vc_h)  # [N, nh, A*B, hd]
-        p_blk = p_blk.reshape(n, nh, a_num, b, b).permute(0, 2, 1, 3, 4)  # [N, A, nh, B, B]
-        o_blk = torch.matmul(p_blk, vb_h).permute(0, 2, 1, 3, 4).reshape(n, nh, a_num * b, hd)
-        o = (o_ctx + o_blk).transpose(1, 2).reshape(n, a_num * b, nh * hd)
-        x = x + F.linear(o, attn.o_proj.weight)
+        q = attn.q_norm(F.linear(hn, attn.q_proj.weight).view(n, a_num * b, nh, hd))
+        q = _rope(q, blk_cos, blk_sin)
+        kb = attn.k_norm(F.linear(hn, attn.k_proj.weight).view(n, a_num * b, nkv, hd))
+        kb = _rope(kb, blk_cos, blk_sin)
+        vb = F.linear(hn, attn.v_proj.weight)
+        k = heads(torch.cat([kc.flatten(2), kb.flatten(2)], dim=1), nkv)
+        v = heads(torch.cat([vc, vb], dim=1), nkv)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible, scale=scale)
+        x = x + F.linear(o.transpose(1, 2).reshape(n, a_num * b, nh * hd), attn.o_proj.weight)
         hn = layer.post_attention_layernorm(x)
         mlp = layer.mlp
         x = x + F.linear(F.silu(F.linear(hn, mlp.gate_proj.weight)) * F.linear(hn, mlp.up_proj.weight),
@@ -231,7 +241,9 @@ def train_tiny_draft(
     new_tokens: int = 48,
     lr: float = 3e-3,
     anchors_per_step: int | None = None,
+    seqs_per_step: int | None = None,
     cache_dir: str | Path | None = None,
+    num_threads: int = 1,
     report: TrainReport | None = None,
 ) -> Path:
     """Train a tiny DFlash draft for the target in `target_dir` and save it to `out_dir`
@@ -246,7 +258,8 @@ def train_tiny_draft(
     layer_ids = list(target_layer_ids) if target_layer_ids is not None else default_train_layer_ids(n_target_layers)
     params = dict(block_size=block_size, num_layers=num_layers, steps=steps, seed=seed,
                   target_layer_ids=layer_ids, num_prompts=num_prompts, prompt_len=prompt_len,
-                  new_tokens=new_tokens, lr=lr, anchors_per_step=anchors_per_step)
+                  new_tokens=new_tokens, lr=lr, anchors_per_step=anchors_per_step,
+                  seqs_per_step=seqs_per_step)
     cached = None
     if cache_dir is not None:
         cached = Path(cache_dir) / f"draft-{_cache_key(target_dir, params)}"
@@ -259,10 +272,10 @@ def train_tiny_draft(
 
     rep = report if report is not None else TrainReport()
     t0 = time.perf_counter()
-    with _torch_state(seed):
+    with _torch_state(seed, num_threads):
         state_dict, cfg_dict, rep = _train(
             target_dir, target_cfg, layer_ids, block_size, num_layers, steps, seed,
-            num_prompts, prompt_len, new_tokens, lr, anchors_per_step, rep,
+            num_prompts, prompt_len, new_tokens, lr, anchors_per_step, seqs_per_step, rep,
         )
     rep.seconds = time.perf_counter() - t0
 
@@ -279,21 +292,26 @@ def train_tiny_draft(
 
 
 class _torch_state:
-    """Seed torch's global RNG for the duration (restored afterwards)."""
+    """Seed torch's global RNG and fix the intra-op thread count for the duration (both
+    restored afterwards). One thread: bit-identical results on any machine, and on a busy
+    2-core box it is several times faster than oversubscribed threads."""
 
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int, num_threads: int):
+        self.seed, self.num_threads = seed, num_threads
 
     def __enter__(self):
         self.saved = torch.random.get_rng_state()
+        self.saved_threads = torch.get_num_threads()
         torch.manual_seed(self.seed)
+        torch.set_num_threads(self.num_threads)
 
     def __exit__(self, *exc):
         torch.random.set_rng_state(self.saved)
+        torch.set_num_threads(self.saved_threads)
 
 
 def _train(target_dir, target_cfg, layer_ids, block_size, num_layers, steps, seed,
-           num_prompts, prompt_len, new_tokens, lr, anchors_per_step, rep: TrainReport):
+           num_prompts, prompt_len, new_tokens, lr, anchors_per_step, seqs_per_step, rep: TrainReport):
     b = block_size
     if new_tokens < b:
         raise ValueError(f"new_tokens ({new_tokens}) must be >= block_size ({b})")
@@ -332,19 +350,23 @@ def _train(target_dir, target_cfg, layer_ids, block_size, num_layers, steps, see
             anchors = all_anchors[pick]
         else:
             anchors = all_anchors
+        if seqs_per_step is not None and seqs_per_step < n:
+            rows = torch.randperm(n, generator=gen)[:seqs_per_step]
+        else:
+            rows = torch.arange(n)
         idx = anchors[:, None] + torch.arange(b)[None, :]  # [A, B]
-        block_ids = tokens[:, idx].clone()  # [N, A, B]
-        labels = block_ids[:, :, 1:]
+        block_ids = tokens[rows][:, idx]  # [n_rows, A, B]
+        labels = block_ids[:, :, 1:].clone()
         block_ids[:, :, 1:] = mask_id
-        hidden = dense_block_forward(draft, taps, F.embedding(block_ids, embed), anchors)
+        hidden = dense_block_forward(draft, taps[rows], F.embedding(block_ids, embed), anchors)
         logits = F.linear(hidden[:, :, 1:], lm_w)  # [N, A, B-1, V]
         ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="none")
-        loss = (ce.view(n, len(anchors), b - 1) * weights).sum(-1).mean()
+        loss = (ce.view(len(rows), len(anchors), b - 1) * weights).sum(-1).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
-        last = float(loss)
+        last = float(loss.detach())
         if step == 0:
             first = last
     rep.steps, rep.first_loss, rep.final_loss = steps, first, last

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import uvicorn
-
 from dflash_engine.server import AsyncLLMEngine, build_app
 from tiny_models import make_tiny_dflash_draft, make_tiny_qwen3
 

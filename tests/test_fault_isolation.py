@@ -6,7 +6,6 @@ import asyncio
 
 import httpx
 import openai
-
 from server_fixtures import MODEL_NAME, fresh_server, models_root  # noqa: F401
 
 

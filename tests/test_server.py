@@ -7,9 +7,8 @@ import asyncio
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from dflash_engine.server.cli_args import add_serve_args
+from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import (  # noqa: F401  (fixtures)
     MAX_MODEL_LEN,
     MODEL_NAME,

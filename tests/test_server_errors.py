@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from server_fixtures import MAX_MODEL_LEN, MODEL_NAME, models_root, spec_off_server  # noqa: F401
 
 OK_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -5,8 +5,8 @@ Not thread-safe: one thread drives `step()`; the async engine serialises add/abo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,11 +242,12 @@ class LLMEngine:
         return req.finish(reason, error)
 
     def stats(self) -> EngineStats:
+        """A snapshot (safe to read while the engine keeps stepping)."""
         s = self._stats
-        s.num_running = self.scheduler.num_running
-        s.num_waiting = self.scheduler.num_waiting
-        s.kv_cache_usage = self.scheduler.kv_usage
-        return s
+        return dataclasses.replace(
+            s, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.scheduler.kv_usage, spec_accepted_per_pos=list(s.spec_accepted_per_pos),
+        )
 
 
 __all__ = ["LLMEngine", "EngineStats", "FaultInjector", "RequestOutput", "CompletionOutput"]

@@ -34,6 +34,7 @@ class RequestState:
         self.text = ""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
         self._stopped_by_string = False
+        self._decoded = ""
         self._new_ids: list[int] = []
         self._new_text = ""
         self.arrival_time = time.monotonic()
@@ -50,15 +51,26 @@ class RequestState:
         self._new_ids.extend(new_ids)
         if self._detok is None or self._stopped_by_string:
             return False
-        delta = self._detok.add_tokens(new_ids)
-        if self.params.stop_list:
-            idx = find_stop(self.text + delta, self.params.stop_list, start=len(self.text))
-            if idx is not None:
-                delta = (self.text + delta)[:idx][len(self.text):]
-                self._stopped_by_string = True
-        self.text += delta
-        self._new_text += delta
+        self._add_text(self._detok.add_tokens(new_ids), final=False)
         return self._stopped_by_string
+
+    def _add_text(self, delta: str, final: bool) -> None:
+        # `_decoded` is everything decoded; `text` is what was released to the user. While a
+        # stop string could still be completing, its possible prefix is held back.
+        start = len(self._decoded)
+        self._decoded += delta
+        stops = self.params.stop_list
+        release = len(self._decoded)
+        if stops:
+            idx = find_stop(self._decoded, stops, start=start)
+            if idx is not None:
+                self._stopped_by_string = True
+                release = idx
+            elif not final:
+                release = max(len(self.text), release - (max(map(len, stops)) - 1))
+        released = self._decoded[len(self.text):release]
+        self.text += released
+        self._new_text += released
 
     def output(self, finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
         out = RequestOutput(
@@ -81,7 +93,5 @@ class RequestState:
 
     def finish(self, reason: str, error: str | None = None) -> RequestOutput:
         if self._detok is not None and not self._stopped_by_string:
-            tail = self._detok.flush()
-            self.text += tail
-            self._new_text += tail
+            self._add_text(self._detok.flush(), final=True)
         return self.output(reason, error)

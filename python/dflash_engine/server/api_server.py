@@ -96,7 +96,7 @@ def _resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: i
     return requested
 
 
-def _sampling_params(req: p._SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling_params(req: p.SamplingFields, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -270,7 +270,7 @@ def build_app(
         return check_ids(list(prompt), "prompt"), None
 
     async def serve(request: Request, request_id: str, prompt_ids: list[int],
-                    prompt: str | None, params: SamplingParams, req: p._SamplingFields,
+                    prompt: str | None, params: SamplingParams, req: p.SamplingFields,
                     shape: _CompletionShape) -> Response:
         outputs = async_engine.generate(request_id, prompt_ids, params, prompt)
         watcher = asyncio.create_task(_abort_on_disconnect(request, async_engine, request_id))
@@ -309,7 +309,7 @@ def build_app(
                 out = await anext(outputs)
             if include_usage:
                 yield _sse(shape.usage_chunk(out))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (headers are sent: the error goes in the stream)
             yield _sse(p.ErrorResponse(error=_as_openai_error(e).info))
         finally:
             watcher.cancel()

@@ -138,6 +138,8 @@ class AsyncLLMEngine:
             raise EngineDead(f"engine is not running: {self._dead!r}")
         stream = RequestStream(request_id, asyncio.get_running_loop())
         self._commands.put(_Add(stream, list(prompt_token_ids), params, prompt))
+        if not self.is_healthy:  # the thread died meanwhile; its last drain may have missed this
+            self._fail_queued_adds()
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -212,6 +214,10 @@ class AsyncLLMEngine:
             self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt)
         except ValueError as e:
             cmd.stream.put(e)
+            return
+        except Exception as e:  # a bug on one request's way in must not stop the loop
+            logger.exception("add_request %s failed", rid)
+            cmd.stream.put(RequestFailed(f"could not add the request: {e!r}"))
             return
         self._streams[rid] = cmd.stream
 

@@ -54,7 +54,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by both endpoints."""
 
     model_config = _STRICT
@@ -94,7 +94,7 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     # A string or token ids; a one-element batch of either is accepted as that prompt.
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
@@ -134,7 +134,7 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
