@@ -217,7 +217,7 @@ pub struct PyCommitResult {
 
 #[pymethods]
 impl PyCommitResult {
-    fn __len__(&self, py: Python<'_>) -> usize {
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
         self.handles.bind(py).len()
     }
 
