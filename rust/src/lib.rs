@@ -20,4 +20,4 @@ pub use block_pool::{BlockPool, PageId, PageList, NULL_PAGE};
 pub use error::{CoreError, CoreResult};
 pub use plan::{EntryKind, PassArrays, PlanEntry, StepPlan};
 pub use request::{FinishReason, Phase, Request};
-pub use scheduler::{CommitOutput, Scheduler, SchedulerConfig};
+pub use scheduler::{CommitBatch, CommitOutput, Scheduler, SchedulerConfig};

@@ -310,24 +310,12 @@ impl PyScheduler {
     ) -> PyResult<PyCommitResult> {
         let acc = u32_vec(accepted, "accepted")?;
         let smp = u32_vec(sampled, "sampled")?;
-        let out = self.inner.commit(&plan.plan, &acc, &smp).map_err(to_py)?;
-        let n = out.len();
-        let mut handles = Vec::with_capacity(n);
-        let mut offsets = Vec::with_capacity(n + 1);
-        let mut tokens = Vec::new();
-        let mut codes = Vec::with_capacity(n);
-        offsets.push(0i64);
-        for o in out {
-            handles.push(o.handle);
-            tokens.extend(o.new_tokens.iter().map(|&t| t as i64));
-            offsets.push(tokens.len() as i64);
-            codes.push(o.finish.map_or(0, |f| f.code()));
-        }
+        let b = self.inner.commit_batch(&plan.plan, &acc, &smp).map_err(to_py)?;
         Ok(PyCommitResult {
-            handles: arr1(py, handles),
-            offsets: arr1(py, offsets),
-            new_tokens: arr1(py, tokens),
-            finish_codes: arr1(py, codes),
+            handles: arr1(py, b.handles),
+            offsets: arr1(py, b.offsets),
+            new_tokens: arr1(py, b.tokens),
+            finish_codes: arr1(py, b.finish),
         })
     }
 

@@ -69,6 +69,17 @@ pub struct CommitOutput {
     pub finish: Option<FinishReason>,
 }
 
+/// The same, flat (one entry per plan request), ready to hand over as arrays.
+#[derive(Debug, Clone, Default)]
+pub struct CommitBatch {
+    pub handles: Vec<u64>,
+    /// R+1 offsets into `tokens`.
+    pub offsets: Vec<i64>,
+    pub tokens: Vec<i64>,
+    /// 0 = still running, else `FinishReason::code`.
+    pub finish: Vec<u8>,
+}
+
 /// Handles are sequential integers: hashing them is wasted work on the per-step path.
 #[derive(Default)]
 struct HandleHasher(u64);
@@ -166,11 +177,13 @@ impl Scheduler {
         }
         let handle = self.next_handle;
         self.next_handle += 1;
+        let mut tokens = Vec::with_capacity(total);
+        tokens.extend_from_slice(&prompt);
         let req = Request {
             handle,
             id: id.to_string(),
             prompt_len: prompt.len(),
-            tokens: prompt,
+            tokens,
             max_tokens,
             stop_token_ids,
             phase: Phase::Waiting,
@@ -236,6 +249,7 @@ impl Scheduler {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut chosen: Vec<(u64, EntryKind)> = Vec::new();
         let mut preempted = Vec::new();
+        let mut max_pages = 0;
 
         let mut i = 0;
         while i < self.running.len() {
@@ -260,6 +274,7 @@ impl Scheduler {
             loop {
                 let req = self.requests.get_mut(&h).expect("running request");
                 if self.pool.grow_to(&mut req.pages, need_pages) {
+                    max_pages = max_pages.max(req.pages.len());
                     break;
                 }
                 let victim = *self.running.last().expect("h is running");
@@ -287,6 +302,7 @@ impl Scheduler {
                 break;
             }
             req.phase = std::mem::replace(&mut req.phase, Phase::Waiting).admit();
+            max_pages = max_pages.max(req.pages.len());
             self.waiting.pop_front();
             self.running.push(h);
             chosen.push((h, EntryKind::Prefill { start: 0, len, sample: sample && len == target }));
@@ -295,20 +311,17 @@ impl Scheduler {
 
         let step_id = self.next_step;
         self.next_step += 1;
-        let mut plan = self.build_plan(step_id, &chosen);
+        let mut plan = self.build_plan(step_id, &chosen, max_pages);
         plan.preempted = preempted;
-        for (h, _) in &chosen {
-            self.requests.get_mut(h).expect("scheduled").ticket = Some(step_id);
-        }
         self.outstanding = Some(step_id);
         Ok(plan)
     }
 
-    fn build_plan(&self, step_id: u64, chosen: &[(u64, EntryKind)]) -> StepPlan {
+    /// Lays out the arrays and hands each chosen request its ticket for this step.
+    fn build_plan(&mut self, step_id: u64, chosen: &[(u64, EntryKind)], max_pages: usize) -> StepPlan {
         let b = self.cfg.block_rows();
         let mask = self.cfg.mask_token_id as i64;
         let mut plan = StepPlan { step_id, block_rows: b, ..Default::default() };
-        let max_pages = chosen.iter().map(|(h, _)| self.requests[h].pages.len()).max().unwrap_or(0);
         let num_decode = chosen.iter().filter(|(_, k)| matches!(k, EntryKind::Decode { .. })).count();
         let bs = self.cfg.block_size;
         let rows: usize = chosen
@@ -337,7 +350,9 @@ impl Scheduler {
         d.block_tables.reserve(num_decode * max_pages);
 
         for (idx, (h, kind)) in chosen.iter().enumerate() {
-            let req = &self.requests[h];
+            let req = self.requests.get_mut(h).expect("scheduled");
+            req.ticket = Some(step_id);
+            let req = &*req;
             let q_start = t.input_ids.len();
             let sample_start = plan.sample_rows.len();
             let seq_len = match *kind {
@@ -433,6 +448,24 @@ impl Scheduler {
     /// Apply a step's results: `accepted[i]` drafts accepted for entry i, `sampled[j]` the
     /// target's token at `sample_rows[j]`. Validates everything before changing anything.
     pub fn commit(&mut self, plan: &StepPlan, accepted: &[u32], sampled: &[u32]) -> CoreResult<Vec<CommitOutput>> {
+        let b = self.commit_batch(plan, accepted, sampled)?;
+        Ok((0..b.handles.len())
+            .map(|i| CommitOutput {
+                handle: b.handles[i],
+                new_tokens: b.tokens[b.offsets[i] as usize..b.offsets[i + 1] as usize].iter().map(|&t| t as u32).collect(),
+                finish: match b.finish[i] {
+                    0 => None,
+                    1 => Some(FinishReason::Stop),
+                    2 => Some(FinishReason::Length),
+                    3 => Some(FinishReason::Abort),
+                    _ => Some(FinishReason::Error),
+                },
+            })
+            .collect())
+    }
+
+    /// `commit`, returning flat arrays (no per-request allocation).
+    pub fn commit_batch(&mut self, plan: &StepPlan, accepted: &[u32], sampled: &[u32]) -> CoreResult<CommitBatch> {
         self.check_outstanding(plan)?;
         if accepted.len() != plan.entries.len() {
             return Err(CoreError::InvalidCommit(format!(
@@ -471,11 +504,18 @@ impl Scheduler {
         }
 
         self.release_tickets(plan);
-        let mut out = Vec::with_capacity(plan.entries.len());
+        let n = plan.entries.len();
+        let mut out = CommitBatch {
+            handles: Vec::with_capacity(n),
+            offsets: Vec::with_capacity(n + 1),
+            tokens: Vec::with_capacity(sampled.len()),
+            finish: Vec::with_capacity(n),
+        };
+        out.offsets.push(0);
         for (e, &a) in plan.entries.iter().zip(accepted) {
             let s = &sampled[e.sample_start..e.sample_start + e.num_samples];
             let req = self.requests.get_mut(&e.handle).expect("validated");
-            let mut new_tokens = Vec::new();
+            let first = out.tokens.len();
             let mut finish = None;
             match e.kind {
                 EntryKind::Prefill { start, len, sample } => {
@@ -484,7 +524,7 @@ impl Scheduler {
                     if computed < target {
                         req.phase = Phase::Prefilling { computed };
                     } else if sample {
-                        new_tokens.push(s[0]);
+                        out.tokens.push(s[0] as i64);
                         finish = req.push_token(s[0]);
                         req.phase = Phase::Decoding { committed: target, bonus: s[0] };
                     } else {
@@ -495,20 +535,22 @@ impl Scheduler {
                     // Commits bonus, d_1..d_a; the target's samples t_0..t_a are those tokens'
                     // successors, so the output grows by t_0..t_a and t_a is the new bonus.
                     for &tok in &s[..a as usize + 1] {
-                        new_tokens.push(tok);
+                        out.tokens.push(tok as i64);
                         finish = req.push_token(tok);
                         if finish.is_some() {
                             break;
                         }
                     }
-                    let committed = committed + new_tokens.len();
+                    let committed = committed + (out.tokens.len() - first);
                     req.phase = Phase::Decoding { committed, bonus: *req.tokens.last().expect("non-empty") };
                 }
             }
             if let Some(reason) = finish {
                 self.remove(e.handle, reason);
             }
-            out.push(CommitOutput { handle: e.handle, new_tokens, finish });
+            out.handles.push(e.handle);
+            out.offsets.push(out.tokens.len() as i64);
+            out.finish.push(finish.map_or(0, |f| f.code()));
         }
         Ok(out)
     }
