@@ -19,7 +19,8 @@ from dflash_engine import LLM, SamplingParams  # noqa: E402
 
 def run(model, draft, device, dtype, prompts, params):
     spec = {"method": "dflash", "model": str(draft)} if draft else None
-    llm = LLM(model=str(model), device=device, dtype=dtype, speculative_config=spec, max_num_seqs=64)
+    llm = LLM(model=str(model), device=device, dtype=dtype, speculative_config=spec, max_num_seqs=64,
+              num_gpu_blocks_override=4096)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     if device == "cuda":

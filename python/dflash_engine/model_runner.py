@@ -6,6 +6,7 @@ Everything positional (rows, slots, pages, positions) comes from the Rust plan.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from pathlib import Path
@@ -70,6 +71,9 @@ class ModelRunner:
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override + 1
         if self.device.type == "cuda":
+            # Memory cached by torch for engines already dropped in this process counts as free.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave room for activations and logits of the largest step.
             reserve = (1 << 30) + 4 * self.model_config.vocab_size * 4096 * 2
