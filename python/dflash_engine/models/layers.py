@@ -26,7 +26,11 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     """
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    out = torch.bmm(x.unsqueeze(1), weight.t().expand(x.shape[0], *weight.t().shape)).squeeze(1)
+    m = x.shape[0]
+    if m == 1:
+        # Some torch builds route a batch of one to a plain GEMV: keep the batched kernel.
+        x = torch.cat([x, x])
+    out = torch.bmm(x.unsqueeze(1), weight.t().expand(x.shape[0], *weight.t().shape)).squeeze(1)[:m]
     return out if bias is None else out + bias
 
 
