@@ -23,3 +23,25 @@ def random_draft_dir(tmp_path_factory, qwen3_dir):
     return make_tiny_dflash_draft(
         tmp_path_factory.mktemp("draft_random"), qwen3_dir, num_layers=1, block_size=4, target_layer_ids=[1, 2]
     )
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A draft briefly trained against a learnable tiny target (accepts ~1.8 of 3 drafts).
+
+    Trained once per session (~20 s on one thread); tests/test_draft_training.py checks it.
+    """
+    import json
+    from types import SimpleNamespace
+
+    from draft_training import TrainReport, make_learnable_target, train_tiny_draft
+
+    root = tmp_path_factory.mktemp("draft_training")
+    target = make_learnable_target(root / "target")
+    report = TrainReport()
+    draft = train_tiny_draft(target, root / "draft", block_size=4, cache_dir=root / "cache", report=report)
+    print(f"\ntrain_tiny_draft: {report.seconds:.1f}s (data {report.data_seconds:.1f}s), "
+          f"{report.steps} steps, loss {report.first_loss:.2f} -> {report.final_loss:.2f}, "
+          f"mask_token_id {report.mask_token_id}, taps {report.target_layer_ids}")
+    return SimpleNamespace(root=root, target=target, draft=draft, report=report,
+                           config=json.loads((draft / "config.json").read_text()))

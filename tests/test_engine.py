@@ -186,3 +186,70 @@ def test_text_prompts_chat_and_stop_strings(qwen3_dir):
     assert chat.prompt_token_ids == tok.encode(
         tok.apply_chat_template([{"role": "user", "content": "hi"}]), add_special_tokens=False
     )
+
+
+# ---- with a draft that agrees with the target often (accepted lengths 0, partial, full) ----
+
+def held_out_prompts(n: int) -> list[dict]:
+    from draft_training import random_prompts
+
+    return [{"prompt_token_ids": p} for p in random_prompts(n, 8, seed=4321).tolist()]
+
+
+def acceptance_histogram(stats) -> tuple[int, int, int]:
+    """(blocks that accepted nothing, some, all drafts) from the per-position counters."""
+    per_pos = stats.spec_accepted_per_pos
+    return stats.spec_num_drafts - per_pos[0], per_pos[0] - per_pos[-1], per_pos[-1]
+
+
+@pytest.fixture(scope="module")
+def learnable_reference(trained):
+    llm = LLM(model=str(trained.target), device="cpu")
+    ps = held_out_prompts(8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    return ps, params, [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+
+
+def test_trained_draft_is_lossless_and_tau_is_the_same_at_c1_and_c8(trained, learnable_reference):
+    ps, params, ref = learnable_reference
+    spec_cfg = spec(trained.draft)
+    alone = LLM(model=str(trained.target), device="cpu", max_num_seqs=1, speculative_config=spec_cfg)
+    batch = LLM(model=str(trained.target), device="cpu", max_num_seqs=8, speculative_config=spec_cfg)
+    assert tokens(alone.generate(ps, params, use_tqdm=False)) == ref
+    assert tokens(batch.generate(ps, params, use_tqdm=False)) == ref
+    s1, s8 = alone.stats(), batch.stats()
+    assert s1.mean_acceptance_length > 2.0, "the trained draft should be accepted often"
+    assert (s1.spec_num_drafts, s1.spec_num_accepted_tokens, s1.spec_accepted_per_pos) == (
+        s8.spec_num_drafts, s8.spec_num_accepted_tokens, s8.spec_accepted_per_pos)
+    assert s1.mean_acceptance_length == s8.mean_acceptance_length
+    none, partial, full = acceptance_histogram(s8)
+    assert none > 0 and partial > 0 and full > 0, (none, partial, full)
+
+
+def test_trained_draft_lossless_under_pressure_and_mid_block_stops(trained, learnable_reference):
+    ps, params, ref = learnable_reference
+    llm = LLM(model=str(trained.target), device="cpu", max_num_seqs=8, max_num_batched_tokens=12,
+              num_gpu_blocks_override=8, speculative_config=spec(trained.draft))
+    assert tokens(llm.generate(ps, params, use_tqdm=False)) == ref
+    st = llm.stats()
+    assert st.num_preemptions > 0 and st.spec_num_accepted_tokens > 0
+    # Stops and max_tokens that land inside accepted blocks.
+    cut_params = [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[r[13]], ignore_eos=True) for r in ref]
+    for r, o in zip(ref, llm.generate(ps, cut_params, use_tqdm=False)):
+        assert o.outputs[0].token_ids == r[: r.index(r[13]) + 1]
+    for n in (5, 6, 7):
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        assert tokens(outs) == [r[:n] for r in ref]
+    assert llm.engine.scheduler.num_free_pages == llm.engine.scheduler.num_usable_pages
+
+
+def test_trained_draft_seeded_sampling_equals_spec_off(trained):
+    ps = held_out_prompts(6)
+    params = [SamplingParams(temperature=0.05, top_k=3, seed=50 + i, max_tokens=30, ignore_eos=True) for i in range(6)]
+    off_llm = LLM(model=str(trained.target), device="cpu")
+    off = tokens(off_llm.generate(ps, params, use_tqdm=False))
+    greedy = tokens(off_llm.generate(ps, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False))
+    assert off != greedy, "the sampling test must actually sample"
+    on_llm = LLM(model=str(trained.target), device="cpu", speculative_config=spec(trained.draft))
+    assert tokens(on_llm.generate(ps, params, use_tqdm=False)) == off
+    assert on_llm.stats().spec_num_accepted_tokens > 0

@@ -17,20 +17,28 @@ from .config import ModelConfig
 KVLayer = tuple[Tensor, Tensor]
 
 
+_ROWS = 16  # rows per fixed-shape GEMM on CPU
+
+
 def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [M, K] @ weight.T, each row's bits independent of M on CPU.
 
     CPU BLAS picks its kernel (GEMV vs GEMM, blocking) from the row count, so a plain
-    F.linear gives a request different bits alone and batched. A batch of 1-row matmuls
-    runs every row through the same kernel. Other devices use F.linear.
+    F.linear gives a request different bits alone and batched. Here every row goes through
+    the same fixed-shape GEMM: 16-row blocks, the last one zero-padded. The weight is read
+    once per block and never copied. Other devices use F.linear.
     """
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    m = x.shape[0]
-    if m == 1:
-        # Some torch builds route a batch of one to a plain GEMV: keep the batched kernel.
-        x = torch.cat([x, x])
-    out = torch.bmm(x.unsqueeze(1), weight.t().expand(x.shape[0], *weight.t().shape)).squeeze(1)[:m]
+    m, k = x.shape
+    wt = weight.t()
+    out = x.new_empty(m, wt.shape[1])
+    for i in range(0, m, _ROWS):
+        blk = x[i:i + _ROWS]
+        n = blk.shape[0]
+        if n < _ROWS:
+            blk = torch.cat([blk, blk.new_zeros(_ROWS - n, k)])
+        out[i:i + n] = torch.mm(blk, wt)[:n]
     return out if bias is None else out + bias
 
 
