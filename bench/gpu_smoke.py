@@ -46,6 +46,25 @@ def main() -> None:
         print(f"{dtype}: spec-on == spec-off for {same_spec}/32 requests; cuda == cpu for {same_cpu}/32; "
               f"time off {t_off:.2f}s on {t_on:.2f}s (cpu {t_cpu:.2f}s); drafts {st.spec_num_drafts}")
 
+    # A draft trained against a learnable tiny target: acceptance on CUDA vs CPU.
+    from draft_training import make_learnable_target, random_prompts, train_tiny_draft
+
+    target = make_learnable_target(tmp / "lt")
+    trained = train_tiny_draft(target, tmp / "td", block_size=4)
+    ps = [{"prompt_token_ids": p} for p in random_prompts(32, 8, seed=4321).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref, _, _ = run(target, None, "cpu", "float32", ps, params)
+    for device in ("cpu", "cuda"):
+        for conc in (1, 32):
+            spec = {"method": "dflash", "model": str(trained)}
+            llm = LLM(model=str(target), device=device, dtype="float32", speculative_config=spec,
+                      max_num_seqs=conc, num_gpu_blocks_override=4096)
+            outs = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+            st = llm.stats()
+            print(f"trained draft on {device} c={conc}: tau {st.mean_acceptance_length:.4f} "
+                  f"(drafts {st.spec_num_drafts}, accepted {st.spec_num_accepted_tokens}); "
+                  f"== cpu spec-off for {sum(a == b for a, b in zip(outs, ref))}/32")
+
 
 if __name__ == "__main__":
     main()

@@ -253,3 +253,14 @@ def test_trained_draft_seeded_sampling_equals_spec_off(trained):
     on_llm = LLM(model=str(trained.target), device="cpu", speculative_config=spec(trained.draft))
     assert tokens(on_llm.generate(ps, params, use_tqdm=False)) == off
     assert on_llm.stats().spec_num_accepted_tokens > 0
+
+
+def test_greedy_and_sampled_requests_mixed_in_one_batch(trained, learnable_reference):
+    ps, params, ref = learnable_reference
+    sampled = SamplingParams(temperature=0.05, top_k=3, seed=9, max_tokens=40, ignore_eos=True)
+    mixed = [params if i % 2 == 0 else sampled for i in range(len(ps))]
+    llm = LLM(model=str(trained.target), device="cpu", speculative_config=spec(trained.draft))
+    outs = tokens(llm.generate(ps, mixed, use_tqdm=False))
+    assert [outs[i] for i in range(0, len(ps), 2)] == [ref[i] for i in range(0, len(ps), 2)]
+    alone = [tokens(llm.generate(ps[i], sampled, use_tqdm=False))[0] for i in range(1, len(ps), 2)]
+    assert [outs[i] for i in range(1, len(ps), 2)] == alone
