@@ -154,6 +154,9 @@ def test_bad_requests_are_refused_with_clear_errors(qwen3_dir):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(model=str(qwen3_dir), device="cpu", speculative_config={"method": "eagle", "model": "x"})
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1] * 70}], GREEDY, use_tqdm=False)
+    assert not eng.has_unfinished_requests(), "a refused batch leaves nothing behind"
     eng.add_request("d", [1, 2], GREEDY)
     with pytest.raises(ValueError, match="already"):
         eng.add_request("d", [1, 2], GREEDY)

@@ -72,11 +72,16 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         order = []
-        for prompt, p in zip(prompts, params):
-            text, ids = self._tokenize(prompt)
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, p, prompt=text)
-            order.append(rid)
+        try:
+            for prompt, p in zip(prompts, params):
+                text, ids = self._tokenize(prompt)
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, p, prompt=text)
+                order.append(rid)
+        except Exception:
+            for rid in order:  # all or nothing: no half-submitted batch lingers in the engine
+                self.engine.abort_request(rid)
+            raise
         return self._run(order, use_tqdm and len(order) > 1)
 
     def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
