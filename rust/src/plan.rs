@@ -1,11 +1,13 @@
 //! The step plan: everything the model runner needs for one step, as flat arrays.
 //!
-//! Target pass rows are grouped per request (`query_start_loc`). A prefill request
-//! contributes a chunk of its known tokens; a decoding request contributes its verify block
-//! `[bonus, d_1 .. d_{B-1}]` at positions `committed .. committed+B-1`, whose draft tokens
-//! the runner fills in from the draft pass (`verify_target_rows[i] <- verify_draft_rows[i]`).
-//! The draft pass holds one block `[bonus, MASK x (B-1)]` per decoding request at the same
-//! positions and slots. Every slot and page id comes from here: Python derives none.
+//! Target pass rows are grouped per request (`query_start_loc`). Decoding requests come
+//! first, each with its verify block `[bonus, d_1 .. d_{B-1}]` at positions
+//! `committed .. committed+B-1`; prefill chunks follow. The draft pass is exactly the first
+//! `num_decode` requests / `num_decode * B` rows of the same arrays before the runner fills in
+//! the drafts: one block `[bonus, MASK x (B-1)]` per decoding request, same positions, same
+//! slots, same block tables (so it costs no second copy). The runner writes draft token k of a
+//! request into `verify_target_rows`, which are also the draft rows whose logits it reads.
+//! Every slot and page id comes from here: Python derives none.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryKind {
@@ -68,11 +70,10 @@ pub struct StepPlan {
     pub target: PassArrays,
     /// Target rows whose logits are sampled: the last prompt row, or all B verify rows.
     pub sample_rows: Vec<i64>,
-    pub draft: PassArrays,
-    /// For each decoding request in draft order, its index into `entries`.
-    pub draft_entry: Vec<i64>,
+    /// Decoding requests: the first `num_decode` entries (and draft-pass requests).
+    pub num_decode: usize,
+    /// Rows 1..B-1 of every verify block (draft rows, and where the drafts go).
     pub verify_target_rows: Vec<i64>,
-    pub verify_draft_rows: Vec<i64>,
     /// Requests preempted while building this plan.
     pub preempted: Vec<u64>,
 }
@@ -80,6 +81,11 @@ pub struct StepPlan {
 impl StepPlan {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+
+    /// Rows of the draft pass: the leading `num_decode * B` target rows.
+    pub fn num_draft_rows(&self) -> usize {
+        self.num_decode * self.block_rows
     }
 
     /// Target rows whose tap hidden states become draft context, given the accepted counts:

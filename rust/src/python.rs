@@ -117,38 +117,57 @@ pub struct PyStepPlan {
     preempted: Py<PyArray1<u64>>,
 }
 
+/// `arr[:n]` as a numpy view (no copy).
+fn prefix<'py, T: numpy::Element, D: numpy::ndarray::Dimension>(
+    arr: &Py<numpy::PyArray<T, D>>,
+    py: Python<'py>,
+    n: usize,
+) -> PyResult<Py<numpy::PyArray<T, D>>> {
+    let view = arr.bind(py).get_item(pyo3::types::PySlice::new(py, 0, n as isize, 1))?;
+    Ok(view.downcast_into::<numpy::PyArray<T, D>>()?.unbind())
+}
+
 impl PyStepPlan {
     fn new(py: Python<'_>, mut plan: StepPlan) -> PyResult<Self> {
         let r = plan.entries.len();
-        let rd = plan.draft.seq_lens.len();
+        let (nd, nd_rows) = (plan.num_decode, plan.num_draft_rows());
         let handles = plan.entries.iter().map(|e| e.handle).collect();
         let num_drafts = plan.entries.iter().map(|e| e.num_drafts() as i64).collect();
         let mut sample_start: Vec<i64> = plan.entries.iter().map(|e| e.sample_start as i64).collect();
         sample_start.push(plan.sample_rows.len() as i64);
         let t = std::mem::take(&mut plan.target);
-        let d = std::mem::take(&mut plan.draft);
+        let input_ids = arr1(py, t.input_ids);
+        let positions = arr1(py, t.positions);
+        let slot_mapping = arr1(py, t.slot_mapping);
+        let query_start_loc = arr1(py, t.query_start_loc);
+        let seq_lens = arr1(py, t.seq_lens);
+        let block_tables = arr2(py, t.block_tables, r, t.max_pages)?;
+        let verify_target_rows = arr1(py, std::mem::take(&mut plan.verify_target_rows));
+        // The draft pass is the leading decode requests of the target pass (see plan.rs): views.
+        // Its token ids are a copy, because the runner writes drafts into the target's.
+        let draft_input_ids = arr1(py, input_ids.bind(py).readonly().as_slice()?[..nd_rows].to_vec());
         Ok(PyStepPlan {
             step_id: plan.step_id,
             block_rows: plan.block_rows,
             handles: arr1(py, handles),
             num_drafts: arr1(py, num_drafts),
             sample_start: arr1(py, sample_start),
-            input_ids: arr1(py, t.input_ids),
-            positions: arr1(py, t.positions),
-            slot_mapping: arr1(py, t.slot_mapping),
-            query_start_loc: arr1(py, t.query_start_loc),
-            seq_lens: arr1(py, t.seq_lens),
-            block_tables: arr2(py, t.block_tables, r, t.max_pages)?,
+            draft_input_ids,
+            draft_positions: prefix(&positions, py, nd_rows)?,
+            draft_slot_mapping: prefix(&slot_mapping, py, nd_rows)?,
+            draft_query_start_loc: prefix(&query_start_loc, py, nd + 1)?,
+            draft_seq_lens: prefix(&seq_lens, py, nd)?,
+            draft_block_tables: prefix(&block_tables, py, nd)?,
+            draft_entry: arr1(py, (0..nd as i64).collect()),
+            verify_draft_rows: verify_target_rows.clone_ref(py),
+            input_ids,
+            positions,
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            verify_target_rows,
             sample_rows: arr1(py, plan.sample_rows.clone()),
-            draft_input_ids: arr1(py, d.input_ids),
-            draft_positions: arr1(py, d.positions),
-            draft_slot_mapping: arr1(py, d.slot_mapping),
-            draft_query_start_loc: arr1(py, d.query_start_loc),
-            draft_seq_lens: arr1(py, d.seq_lens),
-            draft_block_tables: arr2(py, d.block_tables, rd, d.max_pages)?,
-            draft_entry: arr1(py, std::mem::take(&mut plan.draft_entry)),
-            verify_target_rows: arr1(py, std::mem::take(&mut plan.verify_target_rows)),
-            verify_draft_rows: arr1(py, std::mem::take(&mut plan.verify_draft_rows)),
             preempted: arr1(py, std::mem::take(&mut plan.preempted)),
             plan,
         })
@@ -178,7 +197,7 @@ impl PyStepPlan {
 
     #[getter]
     fn num_decode(&self) -> usize {
-        self.plan.entries.iter().filter(|e| matches!(e.kind, EntryKind::Decode { .. })).count()
+        self.plan.num_decode
     }
 
     /// Per request: (kind, start_or_committed, rows, samples_at_end).

@@ -247,7 +247,7 @@ impl Scheduler {
         }
         let b = self.cfg.block_rows();
         let mut budget = self.cfg.max_num_batched_tokens;
-        let mut chosen: Vec<(u64, EntryKind)> = Vec::new();
+        let mut chosen: Vec<(u64, EntryKind)> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted = Vec::new();
         let mut max_pages = 0;
 
@@ -311,6 +311,8 @@ impl Scheduler {
 
         let step_id = self.next_step;
         self.next_step += 1;
+        // Decoding requests first: the draft pass is then a prefix of the target pass.
+        chosen.sort_by_key(|(_, k)| matches!(k, EntryKind::Prefill { .. }));
         let mut plan = self.build_plan(step_id, &chosen, max_pages);
         plan.preempted = preempted;
         self.outstanding = Some(step_id);
@@ -323,6 +325,7 @@ impl Scheduler {
         let mask = self.cfg.mask_token_id as i64;
         let mut plan = StepPlan { step_id, block_rows: b, ..Default::default() };
         let num_decode = chosen.iter().filter(|(_, k)| matches!(k, EntryKind::Decode { .. })).count();
+        plan.num_decode = num_decode;
         let bs = self.cfg.block_size;
         let rows: usize = chosen
             .iter()
@@ -331,9 +334,8 @@ impl Scheduler {
                 EntryKind::Decode { .. } => b,
             })
             .sum();
-        for v in [&mut plan.sample_rows, &mut plan.verify_target_rows, &mut plan.verify_draft_rows] {
-            v.reserve(num_decode * b + chosen.len());
-        }
+        plan.sample_rows.reserve(num_decode * b + chosen.len());
+        plan.verify_target_rows.reserve(num_decode * b);
         let t = &mut plan.target;
         for v in [&mut t.input_ids, &mut t.positions, &mut t.slot_mapping] {
             v.reserve(rows);
@@ -341,15 +343,8 @@ impl Scheduler {
         t.max_pages = max_pages;
         t.query_start_loc.push(0);
         t.block_tables.reserve(chosen.len() * max_pages);
-        let d = &mut plan.draft;
-        for v in [&mut d.input_ids, &mut d.positions, &mut d.slot_mapping] {
-            v.reserve(num_decode * b);
-        }
-        d.max_pages = max_pages;
-        d.query_start_loc.push(0);
-        d.block_tables.reserve(num_decode * max_pages);
 
-        for (idx, (h, kind)) in chosen.iter().enumerate() {
+        for (h, kind) in chosen {
             let req = self.requests.get_mut(h).expect("scheduled");
             req.ticket = Some(step_id);
             let req = &*req;
@@ -367,22 +362,12 @@ impl Scheduler {
                 }
                 EntryKind::Decode { committed } => {
                     let bonus = req.tokens[committed] as i64;
-                    let d_start = d.input_ids.len();
-                    let block = (committed..committed + b).map(|p| p as i64);
                     t.input_ids.push(bonus);
                     t.input_ids.extend(std::iter::repeat_n(mask, b - 1));
-                    t.positions.extend(block.clone());
+                    t.positions.extend((committed..committed + b).map(|p| p as i64));
                     push_slots(&mut t.slot_mapping, req.pages.pages(), bs, committed, b);
-                    d.input_ids.extend_from_slice(&t.input_ids[q_start..]);
-                    d.positions.extend(block);
-                    d.slot_mapping.extend_from_slice(&t.slot_mapping[q_start..]);
                     plan.sample_rows.extend((q_start..q_start + b).map(|r| r as i64));
                     plan.verify_target_rows.extend((q_start + 1..q_start + b).map(|r| r as i64));
-                    plan.verify_draft_rows.extend((d_start + 1..d_start + b).map(|r| r as i64));
-                    d.query_start_loc.push(d.input_ids.len() as i32);
-                    d.seq_lens.push((committed + b) as i32);
-                    push_table(&mut d.block_tables, req.pages.pages(), max_pages);
-                    plan.draft_entry.push(idx as i64);
                     committed + b
                 }
             };

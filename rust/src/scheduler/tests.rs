@@ -24,22 +24,21 @@ fn prefill_then_speculative_decode_layout() {
     assert_eq!(p.target.input_ids, vec![1, 2, 3, 4, 5]);
     assert_eq!(p.target.positions, vec![0, 1, 2, 3, 4]);
     assert_eq!(p.sample_rows, vec![4]);
-    assert!(p.draft.input_ids.is_empty());
+    assert_eq!(p.num_draft_rows(), 0);
     assert_eq!(p.context_rows(&[0]).unwrap(), vec![0, 1, 2, 3, 4]);
     let out = s.commit(&p, &[0], &[7]).unwrap();
     assert_eq!(out[0].new_tokens, vec![7]);
     assert_eq!(s.request(h).unwrap().phase, Phase::Decoding { committed: 5, bonus: 7 });
 
     let p = s.schedule().unwrap();
-    // Verify block [bonus, MASK x3] at positions 5..8, same slots in the draft pass.
+    // Verify block [bonus, MASK x3] at positions 5..8; the draft pass is the same rows.
     assert_eq!(p.target.input_ids, vec![7, 999, 999, 999]);
     assert_eq!(p.target.positions, vec![5, 6, 7, 8]);
-    assert_eq!(p.draft.input_ids, p.target.input_ids);
-    assert_eq!(p.draft.slot_mapping, p.target.slot_mapping);
+    assert_eq!(p.num_decode, 1);
+    assert_eq!(p.num_draft_rows(), 4);
     assert_eq!(p.target.seq_lens, vec![9]);
     assert_eq!(p.sample_rows, vec![0, 1, 2, 3]);
     assert_eq!(p.verify_target_rows, vec![1, 2, 3]);
-    assert_eq!(p.verify_draft_rows, vec![1, 2, 3]);
     // Pages for committed + B = 9 positions exist before drafting.
     assert!(s.request(h).unwrap().pages.capacity() >= 9);
     assert_eq!(p.context_rows(&[2]).unwrap(), vec![0, 1, 2]);
@@ -180,4 +179,24 @@ fn config_is_validated() {
     let mut c = cfg(32, 15);
     c.max_num_batched_tokens = 8;
     assert!(matches!(Scheduler::new(c), Err(CoreError::InvalidConfig(_))));
+}
+
+#[test]
+fn decoding_requests_lead_the_plan_so_the_draft_pass_is_a_prefix() {
+    let mut s = sched(64, 3);
+    let a = s.add_request("a", vec![1, 2, 3], 10, vec![]).unwrap();
+    let p = s.schedule().unwrap();
+    s.commit(&p, &[0], &[5]).unwrap();
+    let b = s.add_request("b", vec![4, 5, 6, 7, 8], 10, vec![]).unwrap();
+    let p = s.schedule().unwrap();
+    assert_eq!(p.entries.iter().map(|e| e.handle).collect::<Vec<_>>(), vec![a, b]);
+    let c = s.add_request("c", vec![9; 6], 10, vec![]).unwrap();
+    s.commit(&p, &[1, 0], &[6, 7, 8, 9, 10]).unwrap();
+    // Running order is a, b, then c is admitted; b and a decode, c prefills.
+    let p = s.schedule().unwrap();
+    assert_eq!(p.num_decode, 2);
+    assert!(matches!(p.entries[2].kind, EntryKind::Prefill { .. }) && p.entries[2].handle == c);
+    assert_eq!(p.num_draft_rows(), 8);
+    assert_eq!(&p.target.input_ids[..8], &[7, 999, 999, 999, 10, 999, 999, 999]);
+    assert_eq!(p.verify_target_rows, vec![1, 2, 3, 5, 6, 7]);
 }
