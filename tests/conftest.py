@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from server_fixtures import fresh_server, models_root, spec_off_server, spec_on_server  # noqa: F401  (fixtures)
 from tiny_models import make_tiny_dflash_draft, make_tiny_llama, make_tiny_qwen3
 
 

@@ -6,7 +6,6 @@ import json
 
 from dflash_engine import bench_serve
 from dflash_engine.server.cli_args import add_bench_args
-from server_fixtures import fresh_server, models_root, spec_on_server  # noqa: F401
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

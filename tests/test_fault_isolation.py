@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import openai
-from server_fixtures import MODEL_NAME, fresh_server, models_root  # noqa: F401
+from server_fixtures import MODEL_NAME
 
 
 class Faults:

@@ -9,14 +9,7 @@ import openai
 import pytest
 from dflash_engine.server.cli_args import add_serve_args
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import (  # noqa: F401  (fixtures)
-    MAX_MODEL_LEN,
-    MODEL_NAME,
-    fresh_server,
-    models_root,
-    spec_off_server,
-    spec_on_server,
-)
+from server_fixtures import MAX_MODEL_LEN, MODEL_NAME
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 

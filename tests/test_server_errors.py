@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from server_fixtures import MAX_MODEL_LEN, MODEL_NAME, models_root, spec_off_server  # noqa: F401
+from server_fixtures import MAX_MODEL_LEN, MODEL_NAME
 
 OK_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 OK_CMPL = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4}
