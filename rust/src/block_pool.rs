@@ -148,8 +148,8 @@ impl BlockPool {
                 return Err(format!("page {p} is free and owned"));
             }
         }
-        for p in 1..self.num_pages {
-            if st.refcount[p] == 0 && !on_list[p] {
+        for (p, (&rc, &free)) in st.refcount.iter().zip(&on_list).enumerate().skip(1) {
+            if rc == 0 && !free {
                 return Err(format!("page {p} is neither free nor owned (leaked)"));
             }
         }

@@ -220,6 +220,9 @@ impl PyStepPlan {
     }
 }
 
+/// (handle, new token ids, finish reason or None)
+type CommitItem = (u64, Vec<i64>, Option<&'static str>);
+
 #[pyclass(name = "CommitResult", module = "dflash_engine._core", frozen)]
 pub struct PyCommitResult {
     #[pyo3(get)]
@@ -241,7 +244,7 @@ impl PyCommitResult {
     }
 
     /// `[(handle, new_token_ids, finish_reason or None)]`
-    fn items(&self, py: Python<'_>) -> PyResult<Vec<(u64, Vec<i64>, Option<&'static str>)>> {
+    fn items(&self, py: Python<'_>) -> PyResult<Vec<CommitItem>> {
         const REASONS: [Option<&str>; 5] = [None, Some("stop"), Some("length"), Some("abort"), Some("error")];
         let handles = self.handles.bind(py).readonly();
         let offsets = self.offsets.bind(py).readonly();
