@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 NULL_PAGE: int
+FINISH_REASONS: list[str | None]  # indexed by CommitResult.finish_codes
 
 class CoreError(Exception): ...
 class InvalidConfigError(CoreError): ...

@@ -15,7 +15,7 @@ import numpy as np
 from . import _core
 from .config import EngineConfig
 from .gguf_convert import resolve_model_path
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, pages_per_seq
 from .outputs import CompletionOutput, RequestOutput
 from .request_state import RequestState
 from .sampler import SamplingTensors
@@ -24,7 +24,6 @@ from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_FINISH = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 _MAX_LEN_CAP = 8192
 
 
@@ -102,7 +101,7 @@ class LLMEngine:
     @property
     def max_concurrency(self) -> float:
         """How many full-length requests the KV pool holds at once."""
-        per_seq = -(-(self.max_model_len + self.num_speculative_tokens + 1) // self.config.block_size)
+        per_seq = pages_per_seq(self.max_model_len, self.num_speculative_tokens, self.config.block_size)
         return self.num_usable_pages / per_seq
 
     # ---- requests ---------------------------------------------------------------
@@ -215,7 +214,7 @@ class LLMEngine:
         for i, h in enumerate(result.handles.tolist()):
             req = self._requests[h]
             new = tokens[offsets[i]:offsets[i + 1]].tolist()
-            reason = _FINISH.get(int(codes[i]))
+            reason = _core.FINISH_REASONS[codes[i]]
             if not new and reason is None:
                 continue  # a prefill chunk that produced nothing visible yet
             try:

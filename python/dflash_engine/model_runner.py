@@ -25,6 +25,12 @@ logger = logging.getLogger(__name__)
 _CPU_KV_BYTES_DEFAULT = 1 << 30
 
 
+def pages_per_seq(max_model_len: int, num_speculative_tokens: int, block_size: int) -> int:
+    """Pages one full-length request holds: its last verify block reaches B slots past it
+    (the same bound the Rust core checks at admission)."""
+    return -(-(max_model_len + num_speculative_tokens + 1) // block_size)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,7 +89,7 @@ class ModelRunner:
             return budget // self.bytes_per_page
         # CPU: a byte budget, capped by what max_num_seqs full-length requests can use.
         budget = int(float(os.environ.get("DFLASH_CPU_KV_CACHE_GB", "0") or 0) * (1 << 30)) or _CPU_KV_BYTES_DEFAULT
-        per_seq = -(-(max_model_len + self.num_speculative_tokens + 1) // cfg.block_size)
+        per_seq = pages_per_seq(max_model_len, self.num_speculative_tokens, cfg.block_size)
         return max(2, min(budget // self.bytes_per_page, cfg.max_num_seqs * per_seq + 1))
 
     def _t(self, a: np.ndarray) -> torch.Tensor:

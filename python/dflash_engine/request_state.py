@@ -34,7 +34,6 @@ class RequestState:
         self.text = ""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
         self._stopped_by_string = False
-        self._decoded = ""
         self._new_ids: list[int] = []
         self._new_text = ""
         self.arrival_time = time.monotonic()
@@ -55,20 +54,20 @@ class RequestState:
         return self._stopped_by_string
 
     def _add_text(self, delta: str, final: bool) -> None:
-        # `_decoded` is everything decoded; `text` is what was released to the user. While a
-        # stop string could still be completing, its possible prefix is held back.
-        start = len(self._decoded)
-        self._decoded += delta
+        # The detokenizer's text is everything decoded; `text` is what was released to the
+        # user. While a stop string could still be completing, its possible prefix is held back.
+        decoded = self._detok.text
+        start = len(decoded) - len(delta)
         stops = self.params.stop_list
-        release = len(self._decoded)
+        release = len(decoded)
         if stops:
-            idx = find_stop(self._decoded, stops, start=start)
+            idx = find_stop(decoded, stops, start=start)
             if idx is not None:
                 self._stopped_by_string = True
                 release = idx
             elif not final:
                 release = max(len(self.text), release - (max(map(len, stops)) - 1))
-        released = self._decoded[len(self.text):release]
+        released = decoded[len(self.text):release]
         self.text += released
         self._new_text += released
 

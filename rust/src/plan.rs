@@ -83,6 +83,11 @@ impl StepPlan {
         self.entries.is_empty()
     }
 
+    /// Target rows sampled in this step (the length `sampled` must have at commit).
+    pub fn num_sample_rows(&self) -> usize {
+        self.entries.last().map_or(0, |e| e.sample_start + e.num_samples)
+    }
+
     /// Rows of the draft pass: the leading `num_decode * B` target rows.
     pub fn num_draft_rows(&self) -> usize {
         self.num_decode * self.block_rows

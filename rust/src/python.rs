@@ -134,7 +134,7 @@ impl PyStepPlan {
         let handles = plan.entries.iter().map(|e| e.handle).collect();
         let num_drafts = plan.entries.iter().map(|e| e.num_drafts() as i64).collect();
         let mut sample_start: Vec<i64> = plan.entries.iter().map(|e| e.sample_start as i64).collect();
-        sample_start.push(plan.sample_rows.len() as i64);
+        sample_start.push(plan.num_sample_rows() as i64);
         let t = std::mem::take(&mut plan.target);
         let input_ids = arr1(py, t.input_ids);
         let positions = arr1(py, t.positions);
@@ -144,15 +144,14 @@ impl PyStepPlan {
         let block_tables = arr2(py, t.block_tables, r, t.max_pages)?;
         let verify_target_rows = arr1(py, std::mem::take(&mut plan.verify_target_rows));
         // The draft pass is the leading decode requests of the target pass (see plan.rs): views.
-        // Its token ids are a copy, because the runner writes drafts into the target's.
-        let draft_input_ids = arr1(py, input_ids.bind(py).readonly().as_slice()?[..nd_rows].to_vec());
+        // The runner fills drafts into its own device copy of input_ids, never into these.
         Ok(PyStepPlan {
             step_id: plan.step_id,
             block_rows: plan.block_rows,
             handles: arr1(py, handles),
             num_drafts: arr1(py, num_drafts),
             sample_start: arr1(py, sample_start),
-            draft_input_ids,
+            draft_input_ids: prefix(&input_ids, py, nd_rows)?,
             draft_positions: prefix(&positions, py, nd_rows)?,
             draft_slot_mapping: prefix(&slot_mapping, py, nd_rows)?,
             draft_query_start_loc: prefix(&query_start_loc, py, nd + 1)?,
@@ -167,7 +166,7 @@ impl PyStepPlan {
             seq_lens,
             block_tables,
             verify_target_rows,
-            sample_rows: arr1(py, plan.sample_rows.clone()),
+            sample_rows: arr1(py, std::mem::take(&mut plan.sample_rows)),
             preempted: arr1(py, std::mem::take(&mut plan.preempted)),
             plan,
         })
@@ -245,14 +244,13 @@ impl PyCommitResult {
 
     /// `[(handle, new_token_ids, finish_reason or None)]`
     fn items(&self, py: Python<'_>) -> PyResult<Vec<CommitItem>> {
-        const REASONS: [Option<&str>; 5] = [None, Some("stop"), Some("length"), Some("abort"), Some("error")];
         let handles = self.handles.bind(py).readonly();
         let offsets = self.offsets.bind(py).readonly();
         let tokens = self.new_tokens.bind(py).readonly();
         let codes = self.finish_codes.bind(py).readonly();
         let (h, o, t, c) = (handles.as_slice()?, offsets.as_slice()?, tokens.as_slice()?, codes.as_slice()?);
         Ok((0..h.len())
-            .map(|i| (h[i], t[o[i] as usize..o[i + 1] as usize].to_vec(), REASONS[c[i] as usize]))
+            .map(|i| (h[i], t[o[i] as usize..o[i + 1] as usize].to_vec(), FinishReason::NAMES[c[i] as usize]))
             .collect())
     }
 }
@@ -425,5 +423,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StalePlanError", py.get_type::<exc::StalePlanError>())?;
     m.add("InvalidCommitError", py.get_type::<exc::InvalidCommitError>())?;
     m.add("NULL_PAGE", crate::block_pool::NULL_PAGE)?;
+    m.add("FINISH_REASONS", FinishReason::NAMES.to_vec())?;
     Ok(())
 }

@@ -27,11 +27,19 @@ pub enum FinishReason {
 
 impl FinishReason {
     pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Abort => "abort",
-            FinishReason::Error => "error",
+        Self::NAMES[self.code() as usize].expect("finished reasons have names")
+    }
+
+    /// Names by code (`code()` indexes this; 0 = still running).
+    pub const NAMES: [Option<&'static str>; 5] = [None, Some("stop"), Some("length"), Some("abort"), Some("error")];
+
+    pub fn from_code(code: u8) -> Option<FinishReason> {
+        match code {
+            1 => Some(FinishReason::Stop),
+            2 => Some(FinishReason::Length),
+            3 => Some(FinishReason::Abort),
+            4 => Some(FinishReason::Error),
+            _ => None,
         }
     }
 
@@ -146,6 +154,15 @@ impl Request {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finish_codes_round_trip() {
+        for r in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Error] {
+            assert_eq!(FinishReason::from_code(r.code()), Some(r));
+            assert_eq!(FinishReason::NAMES[r.code() as usize], Some(r.as_str()));
+        }
+        assert_eq!(FinishReason::from_code(0), None);
+    }
 
     #[test]
     fn transitions_follow_the_diagram() {

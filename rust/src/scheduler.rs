@@ -438,13 +438,7 @@ impl Scheduler {
             .map(|i| CommitOutput {
                 handle: b.handles[i],
                 new_tokens: b.tokens[b.offsets[i] as usize..b.offsets[i + 1] as usize].iter().map(|&t| t as u32).collect(),
-                finish: match b.finish[i] {
-                    0 => None,
-                    1 => Some(FinishReason::Stop),
-                    2 => Some(FinishReason::Length),
-                    3 => Some(FinishReason::Abort),
-                    _ => Some(FinishReason::Error),
-                },
+                finish: FinishReason::from_code(b.finish[i]),
             })
             .collect())
     }
@@ -459,11 +453,11 @@ impl Scheduler {
                 plan.entries.len()
             )));
         }
-        if sampled.len() != plan.sample_rows.len() {
+        if sampled.len() != plan.num_sample_rows() {
             return Err(CoreError::InvalidCommit(format!(
                 "sampled has {} tokens, the plan samples {} rows",
                 sampled.len(),
-                plan.sample_rows.len()
+                plan.num_sample_rows()
             )));
         }
         for (e, &a) in plan.entries.iter().zip(accepted) {
@@ -488,7 +482,8 @@ impl Scheduler {
             }
         }
 
-        self.release_tickets(plan);
+        // Validated: from here on nothing fails. Each ticket is spent as its entry is applied.
+        self.outstanding = None;
         let n = plan.entries.len();
         let mut out = CommitBatch {
             handles: Vec::with_capacity(n),
@@ -500,6 +495,7 @@ impl Scheduler {
         for (e, &a) in plan.entries.iter().zip(accepted) {
             let s = &sampled[e.sample_start..e.sample_start + e.num_samples];
             let req = self.requests.get_mut(&e.handle).expect("validated");
+            req.ticket = None;
             let first = out.tokens.len();
             let mut finish = None;
             match e.kind {

@@ -14,7 +14,6 @@ engine cannot even be reset; ``is_healthy`` is then false and every request fail
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -91,7 +90,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
-        self._last_stats = copy.deepcopy(engine.stats())
+        self._last_stats = engine.stats()  # a snapshot already
 
     # ---- event-loop side ---------------------------------------------------------------
 
@@ -177,7 +176,7 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 # A copy: the engine updates its stats object in place during steps.
-                self._last_stats = copy.deepcopy(self.engine.stats())
+                self._last_stats = self.engine.stats()
         except BaseException as e:  # the engine could not be reset: stop serving, truthfully
             logger.exception("engine loop died")
             self._dead = e
