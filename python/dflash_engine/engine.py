@@ -111,19 +111,13 @@ class LLMEngine:
         if request_id in self._by_id:
             raise ValueError(f"request id {request_id!r} is already running")
         ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         params.validate()
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
+        # Length limits (empty prompt, max_model_len, pool size) are checked once, in the core.
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
         stops = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stops |= set(self.eos_token_ids)
