@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+import shutil
+
+# Without a GPU, Triton kernels run under Triton's interpreter (must be set before triton loads).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from server_fixtures import fresh_server, models_root, spec_off_server, spec_on_server  # noqa: F401  (fixtures)
 from tiny_models import make_tiny_dflash_draft, make_tiny_llama, make_tiny_qwen3
