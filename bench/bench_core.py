@@ -14,17 +14,17 @@ import numpy as np
 from dflash_engine import _core
 
 PLAN_FIELDS = (
-    "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+    "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "page_tables",
     "sample_rows", "draft_input_ids", "draft_positions", "draft_slot_mapping",
-    "draft_query_start_loc", "draft_seq_lens", "draft_block_tables", "verify_target_rows",
-    "verify_draft_rows", "sample_start", "num_drafts",
+    "draft_query_start_loc", "draft_seq_lens", "draft_page_tables", "verify_target_rows",
+    "sample_start", "num_drafts",
 )
 
 
 def bench(num_reqs: int, block_rows: int, steps: int, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
     s = _core.Scheduler(
-        num_pages=num_reqs * 232 + 8, block_size=16, max_num_seqs=num_reqs,
+        num_pages=num_reqs * 232 + 8, page_size=16, max_num_seqs=num_reqs,
         max_num_batched_tokens=max(num_reqs * block_rows, 8192), max_model_len=4096,
         num_speculative_tokens=block_rows - 1, mask_token_id=1,
     )

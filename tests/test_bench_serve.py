@@ -53,10 +53,10 @@ class PoisonOnce:
     def __init__(self) -> None:
         self.armed = False
 
-    def step(self, request_ids):
+    def step(self, requests):
         pass
 
-    def request(self, request_id):
+    def request(self, request):
         if self.armed:
             self.armed = False
             raise RuntimeError("injected bench fault")

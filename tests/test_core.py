@@ -8,10 +8,10 @@ import pytest
 from dflash_engine import _core as core
 
 
-def make(num_pages=64, k=3, budget=64, max_num_seqs=8, max_model_len=256, block_size=4):
+def make(num_pages=64, k=3, budget=64, max_num_seqs=8, max_model_len=256, page_size=4):
     return core.Scheduler(
         num_pages=num_pages,
-        block_size=block_size,
+        page_size=page_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
@@ -24,12 +24,13 @@ def test_plan_arrays_describe_prefill_and_verify_blocks():
     s = make()
     h = s.add_request("a", [5, 6, 7], 10)
     p = s.schedule()
-    assert p.input_ids.dtype == np.int64 and p.block_tables.dtype == np.int32
+    assert p.input_ids.dtype == np.int64 and p.page_tables.dtype == np.int32
     assert p.input_ids.tolist() == [5, 6, 7]
     assert p.positions.tolist() == [0, 1, 2]
     assert p.query_start_loc.tolist() == [0, 3]
-    assert p.sample_rows.tolist() == [2]
-    page = int(p.block_tables[0, 0])
+    assert p.sample_rows.tolist() == [2] and p.sample_start.tolist() == [0, 1]
+    assert p.num_rows == 3
+    page = int(p.page_tables[0, 0])
     assert page != core.NULL_PAGE
     assert p.slot_mapping.tolist() == [page * 4, page * 4 + 1, page * 4 + 2]
     s.commit(p, np.array([0]), np.array([42]))
@@ -39,9 +40,8 @@ def test_plan_arrays_describe_prefill_and_verify_blocks():
     assert p.positions.tolist() == [3, 4, 5, 6]
     assert p.seq_lens.tolist() == [7] and p.draft_seq_lens.tolist() == [7]
     assert np.array_equal(p.slot_mapping, p.draft_slot_mapping)
-    assert p.num_drafts.tolist() == [3]
+    assert p.num_drafts.tolist() == [3] and p.num_decode == 1
     assert p.verify_target_rows.tolist() == [1, 2, 3]
-    assert p.context_rows([1]).tolist() == [0, 1]
     out = s.commit(p, np.array([1]), np.array([8, 9, 10, 11]))
     assert out.items() == [(h, [8, 9], None)]
     assert s.request_state(h) == ("decoding", 5, [5, 6, 7, 42, 8, 9])
@@ -55,12 +55,6 @@ def test_every_misuse_raises_a_typed_error_and_changes_nothing():
     h = s.add_request("a", [1, 2], 10)
     with pytest.raises(core.DuplicateRequestError):
         s.add_request("a", [1], 1)
-    with pytest.raises(core.RequestRejectedError, match="empty"):
-        s.add_request("e", [], 4)
-    with pytest.raises(core.RequestRejectedError, match="max_model_len"):
-        s.add_request("long", [1] * 250, 10)
-    with pytest.raises(core.RequestRejectedError):
-        s.add_request("neg", [1, -5], 3)
     with pytest.raises(core.UnknownRequestError):
         s.abort(12345)
     p1 = s.schedule()
@@ -70,8 +64,10 @@ def test_every_misuse_raises_a_typed_error_and_changes_nothing():
         s.commit(p1, [0, 0], [1])  # wrong length
     with pytest.raises(core.InvalidCommitError):
         s.commit(p1, [1], [1])  # a prefill proposes no drafts
-    s.commit(p1, [0], [3])
-    with pytest.raises(core.StalePlanError):
+    with pytest.raises(core.InvalidCommitError):
+        s.commit(p1, [0], [-1])  # not a token id
+    s.commit(p1, [0], [3])  # a refused commit kept the ticket
+    with pytest.raises(core.StalePlanError, match="spent"):
         s.commit(p1, [0], [3])  # applied twice
     state = s.request_state(h)
     p2 = s.schedule()
@@ -80,35 +76,101 @@ def test_every_misuse_raises_a_typed_error_and_changes_nothing():
     assert s.request_state(h) == state
     with pytest.raises(core.StalePlanError):
         s.commit(p1, [0], [3])  # an old plan
-    s.abort(h)
-    with pytest.raises(core.StalePlanError):
-        s.commit(p2, [0], [1, 2, 3, 4])  # stale after abort
     s.cancel(p2)
     with pytest.raises(core.StalePlanError):
         s.cancel(p2)
     with pytest.raises(ValueError):
-        s.finish(1, "bogus")
+        s.finish(h, "bogus")
+    s.abort(h)
     assert s.num_free_pages == s.num_usable_pages
     assert all(issubclass(e, core.CoreError) for e in (core.StalePlanError, core.RequestRejectedError))
 
 
-def test_stale_plan_after_preemption():
-    s = make(num_pages=5, k=0, block_size=4)  # 4 usable pages
+@pytest.mark.parametrize(
+    "args, param, match",
+    [
+        (("e", [], 4), "prompt", "empty"),
+        (("long", [1] * 250, 10), "max_tokens", "max_model_len"),
+        (("longer", [1] * 300, 10), "prompt", "max_model_len"),
+        (("neg", [1, -5], 3), "prompt", "out of range"),
+        (("big", [1, 2**40], 3), "prompt", "out of range"),
+        (("str", ["a"], 3), "prompt", "integers"),
+        (("zero", [1], 0), "max_tokens", ">= 1"),
+        (("negmax", [1], -3), "max_tokens", "non-negative"),
+        (("stop", [1], 3, [-1]), "stop_token_ids", "out of range"),
+        (("stop2", [1], 3, [2**64]), "stop_token_ids", "integers"),
+    ],
+)
+def test_rejections_are_typed_value_errors_naming_the_parameter(args, param, match):
+    s = make()
+    with pytest.raises(core.RequestRejectedError, match=match) as e:
+        s.add_request(*args)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, core.CoreError)
+    assert e.value.param == param
+    assert s.num_live == 0 and s.handle_of(args[0]) is None
+
+
+def test_forging_attempts_fail():
+    s = make()
+    h = s.add_request("a", [1, 2, 3], 10)
+    p = s.schedule()
+    # The plan's arrays are read-only: nothing flows back to the core through them.
+    for name in ("input_ids", "positions", "slot_mapping", "page_tables", "sample_rows", "num_drafts",
+                 "sample_start", "draft_input_ids", "verify_target_rows", "handles"):
+        arr = getattr(p, name)
+        assert not arr.flags.writeable, name
+        with pytest.raises(ValueError):
+            arr[...] = 0
+    with pytest.raises(AttributeError):
+        p.step_id = 99  # frozen
+    s.commit(p, [0], [4])
+    # A plan of another scheduler is refused there, and stays good where it came from.
+    other = make()
+    other.add_request("a", [1, 2, 3], 10)
+    q = other.schedule()
+    p2 = s.schedule()
+    with pytest.raises(core.StalePlanError, match="another scheduler"):
+        s.commit(q, [0], [5])
+    assert s.outstanding_step == p2.step_id and other.outstanding_step == q.step_id
+    other.commit(q, [0], [5])
+    s.commit(p2, [2], [5, 6, 7, 8])
+    assert s.request_state(h) == ("decoding", 6, [1, 2, 3, 4, 5, 6, 7])
+    s.check_invariants()
+
+
+def test_abort_between_schedule_and_commit_skips_only_that_request():
+    s = make()
+    a = s.add_request("a", [1, 2], 10)
+    b = s.add_request("b", [3, 4], 10)
+    p = s.schedule()
+    s.abort(a)
+    out = s.commit(p, [0, 0], [7, 8])
+    assert out.items() == [(b, [8], None)]
+    assert s.handle_of("a") is None and s.handle_of("b") == b
+    s.check_invariants()
+
+
+def test_an_empty_step_is_none_and_needs_no_commit():
+    s = make()
+    assert s.schedule() is None
+    assert s.outstanding_step is None
+    s.add_request("a", [1], 3)
+    assert s.schedule() is not None
+
+
+def test_preemption_is_counted_and_the_victim_resumes():
+    s = make(num_pages=5, k=0, page_size=4)  # 4 usable pages
     a = s.add_request("a", [1] * 4, 8)
     b = s.add_request("b", [2] * 4, 8)
     p = s.schedule()
     s.commit(p, [0, 0], [7, 7])
-    preempted = []
     for _ in range(8):
         p = s.schedule()
-        preempted += p.preempted.tolist()
         s.commit(p, [0] * len(p), [7] * len(p.sample_rows))
         s.check_invariants()
-        if preempted:
+        if s.num_preemptions:
             break
-    assert preempted == [b]
     assert s.num_preemptions == 1
-    # a plan issued before the preemption is stale now
     assert s.request_state(b)[0] == "preempted"
     s.abort(a)
     s.abort(b)
@@ -122,6 +184,18 @@ def test_failed_step_frees_everything():
     p = s.schedule()
     assert sorted(s.fail(p)) == sorted(p.handles.tolist())
     assert s.num_live == 0 and s.num_free_pages == s.num_usable_pages
+    with pytest.raises(core.StalePlanError):
+        s.commit(p, [0, 0, 0], [1, 1, 1])
+
+
+def test_pages_per_seq_is_the_admission_bound():
+    assert core.pages_per_seq(100, 15, 16) == -(-(100 + 16) // 16)
+    s = make(num_pages=5, k=3, page_size=4, max_model_len=64)  # 4 usable pages = 16 slots
+    s.add_request("fits", [1] * 6, 6)  # 12 + B 4 = 16 slots: 4 pages
+    assert core.pages_per_seq(12, 3, 4) == 4
+    with pytest.raises(core.RequestRejectedError, match="pages"):
+        s.add_request("no", [1] * 6, 7)
+    assert core.FINISH_REASONS == [None, "stop", "length", "abort", "error"]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -147,6 +221,8 @@ def test_random_operations_keep_invariants_and_drain(seed):
         else:
             p = s.schedule()
             s.check_invariants()
+            if p is None:
+                continue
             acc = [rng.randint(0, int(d)) for d in p.num_drafts]
             smp = [rng.randint(3, 40) for _ in p.sample_rows]
             out = s.commit(p, acc, smp)
@@ -158,9 +234,9 @@ def test_random_operations_keep_invariants_and_drain(seed):
         for h, toks in expected.items():
             assert s.request_state(h)[2] == toks
     for _ in range(2000):
-        if s.num_live == 0:
-            break
         p = s.schedule()
+        if p is None:
+            break
         s.commit(p, [0] * len(p), [5] * len(p.sample_rows))
     assert s.num_live == 0
     assert s.num_free_pages == s.num_usable_pages

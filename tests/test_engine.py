@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_engine import LLM, SamplingParams
+from dflash_engine import LLM, SamplingParams, _core
 from dflash_engine.engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -144,12 +144,15 @@ def test_sampling_follows_the_target_distribution(qwen3_dir, random_draft_dir):
 def test_bad_requests_are_refused_with_clear_errors(qwen3_dir):
     llm = LLM(model=str(qwen3_dir), device="cpu", max_model_len=64)
     eng = llm.engine
-    with pytest.raises(ValueError, match="empty"):
-        eng.add_request("a", [], GREEDY)
-    with pytest.raises(ValueError, match="vocabulary"):
-        eng.add_request("b", [1, 99999], GREEDY)
-    with pytest.raises(ValueError, match="max_model_len"):
-        eng.add_request("c", [1] * 60, SamplingParams(max_tokens=10))
+    for args, param, match in [
+        (("a", [], GREEDY), "prompt", "empty"),
+        (("b", [1, 99999], GREEDY), "prompt", "vocabulary"),
+        (("c", [1] * 60, SamplingParams(max_tokens=10)), "max_tokens", "max_model_len"),
+        (("c", [1, 2], SamplingParams(stop_token_ids=[10**6])), "stop_token_ids", "vocabulary"),
+    ]:
+        with pytest.raises(ValueError, match=match) as e:  # typed, and still a ValueError
+            eng.add_request(*args)
+        assert e.value.param == param, e.value
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="speculative_config"):
@@ -158,7 +161,7 @@ def test_bad_requests_are_refused_with_clear_errors(qwen3_dir):
         llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1] * 70}], GREEDY, use_tqdm=False)
     assert not eng.has_unfinished_requests(), "a refused batch leaves nothing behind"
     eng.add_request("d", [1, 2], GREEDY)
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(_core.DuplicateRequestError, match="already"):
         eng.add_request("d", [1, 2], GREEDY)
     assert eng.abort_request("d").outputs[0].finish_reason == "abort"
     assert eng.scheduler.num_free_pages == eng.scheduler.num_usable_pages

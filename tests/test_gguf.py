@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_engine import gguf_convert
+from dflash_engine import gguf_convert, model_path
 from dflash_engine.tokenizer import Tokenizer
 
 # The package's own __init__ imports the `llm` CLI, which need not be installed; only
@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory) -> Iterator[Path]:
     old = os.environ.get("DFLASH_ENGINE_CACHE")
     os.environ["DFLASH_ENGINE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     try:
-        yield gguf_convert.default_model_dir()
+        yield model_path.default_model_dir()
     finally:
         if old is None:
             os.environ.pop("DFLASH_ENGINE_CACHE")
@@ -42,7 +42,7 @@ def tok(model_dir: Path) -> Tokenizer:
 def gguf_tokens() -> list[str]:
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf_convert.default_gguf_path()))
+    reader = GGUFReader(str(model_path.default_gguf_path()))
     return reader.fields["tokenizer.ggml.tokens"].contents()
 
 
@@ -57,16 +57,16 @@ def test_config(model_dir: Path) -> None:
 
 
 def test_cache_and_resolve(model_dir: Path, tmp_path: Path) -> None:
-    assert model_dir.parent == gguf_convert.cache_root()
-    assert gguf_convert.default_model_dir() == model_dir  # reused, not reconverted
-    assert gguf_convert.resolve_model_path(None) == model_dir
-    assert gguf_convert.resolve_model_path("default") == model_dir
-    assert gguf_convert.resolve_model_path(str(model_dir)) == model_dir
+    assert model_dir.parent == model_path.cache_root()
+    assert model_path.default_model_dir() == model_dir  # reused, not reconverted
+    assert model_path.resolve_model_path(None) == model_dir
+    assert model_path.resolve_model_path("default") == model_dir
+    assert model_path.resolve_model_path(str(model_dir)) == model_dir
     assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".")]  # no temp left
     with pytest.raises(ValueError, match="cannot resolve model"):
-        gguf_convert.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+        model_path.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(ValueError, match="GGUF file not found"):
-        gguf_convert.resolve_model_path(str(tmp_path / "missing.gguf"))
+        model_path.resolve_model_path(str(tmp_path / "missing.gguf"))
     with pytest.raises(SystemExit):
         gguf_convert.main([])
 

@@ -14,7 +14,7 @@ def test_default_model_greedy_matches_transformers():
     from transformers import AutoModelForCausalLM
 
     from dflash_engine import LLM, SamplingParams
-    from dflash_engine.gguf_convert import default_model_dir
+    from dflash_engine.model_path import default_model_dir
 
     path = default_model_dir()
     llm = LLM(model=None, device="cpu", dtype="float32", max_model_len=512)

@@ -10,7 +10,12 @@ FINISH_REASONS: list[str | None]  # indexed by CommitResult.finish_codes
 
 class CoreError(Exception): ...
 class InvalidConfigError(CoreError): ...
-class RequestRejectedError(CoreError): ...
+
+class RequestRejectedError(CoreError, ValueError):
+    """The request can never be served; `param` names the offending parameter."""
+
+    param: str | None
+
 class DuplicateRequestError(CoreError): ...
 class UnknownRequestError(CoreError): ...
 class PlanOutstandingError(CoreError): ...
@@ -19,34 +24,33 @@ class InvalidCommitError(CoreError): ...
 
 _Ints = npt.NDArray[np.int64] | Sequence[int]
 
+def pages_per_seq(max_model_len: int, num_speculative_tokens: int, page_size: int) -> int: ...
+
 class StepPlan:
+    """One step's read-only arrays; carries the move-only ticket that `commit` spends."""
+
     step_id: int
     block_rows: int
+    num_decode: int
+    num_rows: int
     handles: npt.NDArray[np.uint64]
     num_drafts: npt.NDArray[np.int64]
-    sample_start: npt.NDArray[np.int64]
+    sample_start: npt.NDArray[np.int64]  # R+1 offsets into sample_rows
     input_ids: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
     slot_mapping: npt.NDArray[np.int64]
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
-    block_tables: npt.NDArray[np.int32]
+    page_tables: npt.NDArray[np.int32]
     sample_rows: npt.NDArray[np.int64]
     draft_input_ids: npt.NDArray[np.int64]
     draft_positions: npt.NDArray[np.int64]
     draft_slot_mapping: npt.NDArray[np.int64]
     draft_query_start_loc: npt.NDArray[np.int32]
     draft_seq_lens: npt.NDArray[np.int32]
-    draft_block_tables: npt.NDArray[np.int32]
-    draft_entry: npt.NDArray[np.int64]
+    draft_page_tables: npt.NDArray[np.int32]
     verify_target_rows: npt.NDArray[np.int64]
-    verify_draft_rows: npt.NDArray[np.int64]
-    preempted: npt.NDArray[np.uint64]
-    num_rows: int
-    num_decode: int
     def __len__(self) -> int: ...
-    def entries(self) -> list[tuple[int, str, int, int, bool]]: ...
-    def context_rows(self, accepted: _Ints) -> npt.NDArray[np.int64]: ...
 
 class CommitResult:
     handles: npt.NDArray[np.uint64]
@@ -64,14 +68,14 @@ class Scheduler:
     num_usable_pages: int
     kv_usage: float
     num_preemptions: int
-    block_size: int
+    page_size: int
     block_rows: int
     outstanding_step: int | None
     def __init__(
         self,
         *,
         num_pages: int,
-        block_size: int,
+        page_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
@@ -84,7 +88,8 @@ class Scheduler:
     def handle_of(self, request_id: str) -> int | None: ...
     def abort(self, handle: int) -> None: ...
     def finish(self, handle: int, reason: str) -> None: ...
-    def schedule(self) -> StepPlan: ...
+    def schedule(self) -> StepPlan | None: ...
+    def schedule_only(self, handle: int) -> StepPlan | None: ...
     def commit(self, plan: StepPlan, accepted: _Ints, sampled: _Ints) -> CommitResult: ...
     def cancel(self, plan: StepPlan) -> None: ...
     def fail(self, plan: StepPlan, reason: str = "error") -> list[int]: ...

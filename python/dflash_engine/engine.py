@@ -14,8 +14,8 @@ import numpy as np
 
 from . import _core
 from .config import EngineConfig
-from .gguf_convert import resolve_model_path
-from .model_runner import ModelRunner, pages_per_seq
+from .model_path import resolve_model_path
+from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .request_state import RequestState
 from .sampler import SamplingTensors
@@ -47,12 +47,13 @@ class EngineStats:
 
 
 class FaultInjector:
-    """Test hook: override to raise inside a step or while processing one request."""
+    """Test hook: override to raise inside a step or while processing one request. Hooks
+    see the requests themselves (ids are minted by whoever adds them; prompts are not)."""
 
-    def step(self, request_ids: list[str]) -> None:  # noqa: B027
+    def step(self, requests: list[RequestState]) -> None:  # noqa: B027
         pass
 
-    def request(self, request_id: str) -> None:  # noqa: B027
+    def request(self, request: RequestState) -> None:  # noqa: B027
         pass
 
 
@@ -74,7 +75,7 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, b * config.max_num_seqs)
         self.scheduler = _core.Scheduler(
             num_pages=self.runner.num_pages,
-            block_size=config.block_size,
+            page_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -83,8 +84,8 @@ class LLMEngine:
         )
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.eos_token_ids = sorted(eos | set(self.model_config.eos_token_ids))
+        # Keyed by the core's handle; the request-id registry is the core's (`handle_of`).
         self._requests: dict[int, RequestState] = {}
-        self._by_id: dict[str, int] = {}
         self._rng = np.random.default_rng(config.seed)
         self._stats = EngineStats(spec_accepted_per_pos=[0] * self.num_speculative_tokens)
         self.fault_injector: FaultInjector | None = None
@@ -101,39 +102,38 @@ class LLMEngine:
     @property
     def max_concurrency(self) -> float:
         """How many full-length requests the KV pool holds at once."""
-        per_seq = pages_per_seq(self.max_model_len, self.num_speculative_tokens, self.config.block_size)
+        per_seq = _core.pages_per_seq(self.max_model_len, self.num_speculative_tokens, self.config.block_size)
         return self.num_usable_pages / per_seq
 
     # ---- requests ---------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
     ) -> None:
-        if request_id in self._by_id:
-            raise ValueError(f"request id {request_id!r} is already running")
-        ids = [int(t) for t in prompt_token_ids]
+        """Queue a request. Bad input raises `_core.RequestRejectedError` (a ValueError with
+        `.param`) or the sampling parameters' own error; a live id `DuplicateRequestError`."""
         vocab = self.model_config.vocab_size
+        try:
+            ids = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise _reject("prompt", "prompt token ids must be integers") from None
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        params.validate()
+            raise _reject("prompt", f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        params.validate(vocab_size=vocab)
         # Length limits (empty prompt, max_model_len, pool size) are checked once, in the core.
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
         stops = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stops |= set(self.eos_token_ids)
-        try:
-            handle = self.scheduler.add_request(request_id, np.asarray(ids, np.int64), max_tokens, sorted(stops))
-        except _core.RequestRejectedError as e:
-            raise ValueError(str(e)) from None
+        handle = self.scheduler.add_request(request_id, np.asarray(ids, np.int64), max_tokens, sorted(stops))
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
         self._requests[handle] = RequestState(
             request_id, handle, prompt, ids, params, seed & ((1 << 63) - 1), self.tokenizer
         )
-        self._by_id[request_id] = handle
         self._stats.prompt_tokens += len(ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        handle = self._by_id.get(request_id)
+        handle = self.scheduler.handle_of(request_id)
         if handle is None:
             return None
         self.scheduler.abort(handle)
@@ -148,23 +148,46 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        self._stats.num_preemptions += len(plan.preempted)
-        if len(plan) == 0:
-            self.scheduler.commit(plan, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        if plan is None:
             return []
         try:
-            if self.fault_injector is not None:
-                self.fault_injector.step([self._requests[int(h)].request_id for h in plan.handles])
-            accepted, sampled = self.runner.execute(plan, self._sampling_tensors(plan))
-            result = self.scheduler.commit(plan, accepted, sampled)
-        except Exception as e:  # a failed step fails its own requests, never the engine
-            logger.exception("engine step failed; failing the %d requests of this step", len(plan))
-            if self.scheduler.outstanding_step is not None:
-                self.scheduler.fail(plan, "error")
-            return [self._finish(int(h), "error", f"engine step failed: {e}") for h in plan.handles
-                    if int(h) in self._requests]
+            return self._run(plan)
+        except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
+            logger.exception("engine step failed; retrying its %d requests one by one", len(plan))
+            self.scheduler.cancel(plan)
+            if len(plan) == 1:
+                return self._fail_alone(int(plan.handles[0]), e)
+            return self._retry_alone([int(h) for h in plan.handles])
+
+    def _run(self, plan) -> list[RequestOutput]:
+        if self.fault_injector is not None:
+            self.fault_injector.step([self._requests[int(h)] for h in plan.handles])
+        accepted, sampled = self.runner.execute(plan, self._sampling_tensors(plan))
+        result = self.scheduler.commit(plan, accepted, sampled)
         self._record_spec(plan, accepted)
         return self._process(result)
+
+    def _retry_alone(self, handles: list[int]) -> list[RequestOutput]:
+        """After a failed step: run each of its requests in a step of its own, so that only
+        the request that fails alone is failed (an innocent one never fails with it)."""
+        outputs = []
+        for h in handles:
+            if h not in self._requests:
+                continue
+            plan = self.scheduler.schedule_only(h)
+            if plan is None:
+                continue  # preempted meanwhile: it runs again later
+            try:
+                outputs += self._run(plan)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("request %s failed its step alone", self._requests[h].request_id)
+                self.scheduler.cancel(plan)
+                outputs += self._fail_alone(h, e)
+        return outputs
+
+    def _fail_alone(self, handle: int, e: Exception) -> list[RequestOutput]:
+        self.scheduler.finish(handle, "error")
+        return [self._finish(handle, "error", f"engine step failed: {e}")]
 
     def _sampling_tensors(self, plan) -> SamplingTensors:
         reqs = [self._requests[int(h)] for h in plan.handles]
@@ -179,7 +202,7 @@ class LLMEngine:
             {
                 "greedy": col([x.greedy for x in p], np.bool_),
                 "temperature": col([max(x.temperature, 1e-5) for x in p], np.float32),
-                "top_k": col([x.top_k if x.top_k > 0 else vocab for x in p], np.int64),
+                "top_k": col([x.effective_top_k(vocab) for x in p], np.int64),
                 "top_p": col([x.top_p for x in p], np.float32),
                 "min_p": col([x.min_p for x in p], np.float32),
                 "seed": col([r.seed for r in reqs], np.int64),
@@ -213,7 +236,7 @@ class LLMEngine:
                 continue  # a prefill chunk that produced nothing visible yet
             try:
                 if self.fault_injector is not None:
-                    self.fault_injector.request(req.request_id)
+                    self.fault_injector.request(req)
                 stopped = req.append(new)
             except Exception as e:  # one request's failure finishes only that request
                 logger.exception("request %s failed", req.request_id)
@@ -230,17 +253,21 @@ class LLMEngine:
         return outputs
 
     def _finish(self, handle: int, reason: str, error: str | None = None) -> RequestOutput:
-        req = self._requests.pop(handle)
-        del self._by_id[req.request_id]
-        return req.finish(reason, error)
+        return self._requests.pop(handle).finish(reason, error)
 
     def stats(self) -> EngineStats:
         """A snapshot (safe to read while the engine keeps stepping)."""
         s = self._stats
         return dataclasses.replace(
             s, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.scheduler.kv_usage, spec_accepted_per_pos=list(s.spec_accepted_per_pos),
+            kv_cache_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions, spec_accepted_per_pos=list(s.spec_accepted_per_pos),
         )
+
+
+def _reject(param: str, message: str) -> ValueError:
+    err = _core.RequestRejectedError(message)
+    err.param = param
+    return err
 
 
 __all__ = ["LLMEngine", "EngineStats", "FaultInjector", "RequestOutput", "CompletionOutput"]

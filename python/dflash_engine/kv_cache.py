@@ -25,23 +25,23 @@ class KVCache:
         target: list[tuple[Tensor, Tensor]],
         draft: list[tuple[Tensor, Tensor]],
         num_pages: int,
-        block_size: int,
+        page_size: int,
     ):
         self.target = target
         self.draft = draft
         self.num_pages = num_pages
-        self.block_size = block_size
+        self.page_size = page_size
 
     @staticmethod
     def bytes_per_page(
         target_cfg: ModelConfig,
         draft_cfg: DraftConfig | None,
-        block_size: int,
+        page_size: int,
         dtype: torch.dtype | str,
     ) -> int:
         elem = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
         target, draft = _layer_shapes(target_cfg, draft_cfg)
-        return sum(2 * block_size * n_kv * head_dim * elem for n_kv, head_dim in target + draft)
+        return sum(2 * page_size * n_kv * head_dim * elem for n_kv, head_dim in target + draft)
 
     @classmethod
     def allocate(
@@ -49,7 +49,7 @@ class KVCache:
         target_cfg: ModelConfig,
         draft_cfg: DraftConfig | None,
         num_pages: int,
-        block_size: int,
+        page_size: int,
         dtype: torch.dtype | str,
         device: torch.device | str = "cpu",
     ) -> "KVCache":
@@ -59,19 +59,9 @@ class KVCache:
         target, draft = _layer_shapes(target_cfg, draft_cfg)
 
         def pair(n_kv: int, head_dim: int) -> tuple[Tensor, Tensor]:
-            shape = (num_pages, block_size, n_kv, head_dim)
+            shape = (num_pages, page_size, n_kv, head_dim)
             return (torch.zeros(shape, dtype=dtype, device=device),
                     torch.zeros(shape, dtype=dtype, device=device))
 
-        return cls([pair(*s) for s in target], [pair(*s) for s in draft], num_pages, block_size)
+        return cls([pair(*s) for s in target], [pair(*s) for s in draft], num_pages, page_size)
 
-
-def num_pages_for_budget(
-    budget_bytes: int,
-    target_cfg: ModelConfig,
-    draft_cfg: DraftConfig | None,
-    block_size: int,
-    dtype: torch.dtype | str,
-) -> int:
-    """How many pages (null page included) fit in `budget_bytes`."""
-    return int(budget_bytes) // KVCache.bytes_per_page(target_cfg, draft_cfg, block_size, dtype)

@@ -1,7 +1,11 @@
 """Runs one step plan: draft pass, target verify/prefill pass, sampling, acceptance, and
-the draft-context write for exactly the committed rows (DFLASH.md, "One speculative step").
+the draft-context write (DFLASH.md, "One speculative step").
 
-Everything positional (rows, slots, pages, positions) comes from the Rust plan.
+Everything positional (rows, slots, pages, positions) comes from the Rust plan. The step
+crosses to the core once each way: the plan in, (accepted, sampled) out. The draft context
+is written for every target row, before acceptance is known: rows past the accepted
+prefix land at positions >= the new committed length, which the next draft block
+overwrites (as scratch) before any draft pass reads them (GPU.md, "One step, one graph").
 """
 
 from __future__ import annotations
@@ -14,21 +18,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import _core
 from .config import EngineConfig
 from .kv_cache import KVCache
 from .models import load_draft, load_target
 from .ops.attention import AttentionMetadata
-from .sampler import SamplingTensors, sample
+from .sampler import SamplingTensors, accept, sample
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES_DEFAULT = 1 << 30
-
-
-def pages_per_seq(max_model_len: int, num_speculative_tokens: int, block_size: int) -> int:
-    """Pages one full-length request holds: its last verify block reaches B slots past it
-    (the same bound the Rust core checks at admission)."""
-    return -(-(max_model_len + num_speculative_tokens + 1) // block_size)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -62,14 +61,14 @@ class ModelRunner:
             self.num_speculative_tokens = n
             self.tap_layers = list(dcfg.target_layer_ids)
             self.mask_token_id = dcfg.mask_token_id
-        self.block_size = cfg.block_size
+        self.page_size = cfg.block_size  # vLLM's --block-size: tokens per KV page
         self.bytes_per_page = KVCache.bytes_per_page(
-            self.model_config, self.draft.config if self.draft else None, cfg.block_size, self.dtype
+            self.model_config, self.draft.config if self.draft else None, self.page_size, self.dtype
         )
         self.num_pages = self._num_pages(cfg, max_model_len)
         self.kv = KVCache.allocate(
             self.model_config, self.draft.config if self.draft else None,
-            self.num_pages, cfg.block_size, self.dtype, self.device,
+            self.num_pages, self.page_size, self.dtype, self.device,
         )
 
     def _num_pages(self, cfg: EngineConfig, max_model_len: int) -> int:
@@ -89,11 +88,12 @@ class ModelRunner:
             return budget // self.bytes_per_page
         # CPU: a byte budget, capped by what max_num_seqs full-length requests can use.
         budget = int(float(os.environ.get("DFLASH_CPU_KV_CACHE_GB", "0") or 0) * (1 << 30)) or _CPU_KV_BYTES_DEFAULT
-        per_seq = pages_per_seq(max_model_len, self.num_speculative_tokens, cfg.block_size)
+        per_seq = _core.pages_per_seq(max_model_len, self.num_speculative_tokens, self.page_size)
         return max(2, min(budget // self.bytes_per_page, cfg.max_num_seqs * per_seq + 1))
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+        # Plan arrays are read-only numpy: copy rather than alias them.
+        return torch.tensor(a, device=self.device)
 
     def _meta(self, slots, qsl, seq_lens, tables, causal: bool) -> AttentionMetadata:
         return AttentionMetadata(
@@ -105,34 +105,30 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan, st: SamplingTensors) -> tuple[np.ndarray, np.ndarray]:
         """Returns (accepted drafts per plan entry, sampled token per plan sample row)."""
-        input_ids = self._t(plan.input_ids).clone()
+        input_ids = self._t(plan.input_ids)
         draft_tokens = None
-        n_dec = len(plan.draft_seq_lens)
+        n_dec = plan.num_decode
         if self.draft is not None and n_dec:
             meta = self._meta(plan.draft_slot_mapping, plan.draft_query_start_loc, plan.draft_seq_lens,
-                              plan.draft_block_tables, causal=False)
+                              plan.draft_page_tables, causal=False)
             h = self.draft(self.target.embed(self._t(plan.draft_input_ids)), self._t(plan.draft_positions), meta, self.kv)
-            draft_tokens = self.target.compute_logits(h[self._t(plan.verify_draft_rows)]).argmax(-1)
-            input_ids[self._t(plan.verify_target_rows)] = draft_tokens
+            verify_rows = self._t(plan.verify_target_rows)  # the draft rows 1..B-1 of each block
+            draft_tokens = self.target.compute_logits(h[verify_rows]).argmax(-1)
+            input_ids = input_ids.index_put((verify_rows,), draft_tokens)
 
         positions = self._t(plan.positions)
         slots = self._t(plan.slot_mapping)
-        meta = self._meta(plan.slot_mapping, plan.query_start_loc, plan.seq_lens, plan.block_tables, causal=True)
+        meta = self._meta(plan.slot_mapping, plan.query_start_loc, plan.seq_lens, plan.page_tables, causal=True)
         hidden, taps = self.target(input_ids, positions, meta, self.kv, self.tap_layers)
+        if self.draft is not None:
+            # Every row's taps become draft context now, at its own slot (see module doc).
+            self.draft.write_context(taps, positions, slots, self.kv)
         logits = self.target.compute_logits(hidden[self._t(plan.sample_rows)])
         sampled = sample(logits, st)
 
         accepted = torch.zeros(len(plan), dtype=torch.int64, device=self.device)
         if draft_tokens is not None:
             b = plan.block_rows
-            rows = self._t(plan.sample_start[plan.draft_entry])[:, None] + torch.arange(b, device=self.device)
-            target_tokens = sampled[rows]  # [n_dec, B]: t_0 .. t_{B-1}
-            match = draft_tokens.view(n_dec, b - 1) == target_tokens[:, :-1]
-            accepted[self._t(plan.draft_entry)] = match.long().cumprod(dim=1).sum(dim=1)
-        accepted_np = accepted.cpu().numpy()
-        if self.draft is not None:
-            # Committed rows' taps become draft context now, in this step, at their own slots.
-            ctx = self._t(plan.context_rows(accepted_np))
-            if ctx.numel():
-                self.draft.write_context(taps[ctx], positions[ctx], slots[ctx], self.kv)
-        return accepted_np, sampled.cpu().numpy()
+            rows = self._t(plan.sample_start[:n_dec])[:, None] + torch.arange(b, device=self.device)
+            accepted[:n_dec] = accept(draft_tokens.view(n_dec, b - 1), sampled[rows])
+        return accepted.cpu().numpy(), sampled.cpu().numpy()

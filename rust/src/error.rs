@@ -2,11 +2,30 @@
 
 use std::fmt;
 
+/// The request parameter a rejection is about, named as the OpenAI API names it, so the
+/// server can put it in its 400 without re-deriving the check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Param {
+    Prompt,
+    MaxTokens,
+    StopTokenIds,
+}
+
+impl Param {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Param::Prompt => "prompt",
+            Param::MaxTokens => "max_tokens",
+            Param::StopTokenIds => "stop_token_ids",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CoreError {
     InvalidConfig(String),
     /// The request can never be served (too long for the model or the pool, bad input).
-    Rejected { request_id: String, reason: String },
+    Rejected { request_id: String, param: Param, reason: String },
     DuplicateRequest(String),
     UnknownRequest(String),
     /// `schedule()` while the previous plan is neither committed nor cancelled.
@@ -21,7 +40,7 @@ impl fmt::Display for CoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             CoreError::InvalidConfig(m) => write!(f, "invalid scheduler config: {m}"),
-            CoreError::Rejected { request_id, reason } => {
+            CoreError::Rejected { request_id, reason, .. } => {
                 write!(f, "request {request_id:?} rejected: {reason}")
             }
             CoreError::DuplicateRequest(id) => write!(f, "request id {id:?} is already in use"),

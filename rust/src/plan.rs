@@ -1,13 +1,18 @@
-//! The step plan: everything the model runner needs for one step, as flat arrays.
+//! The step plan: everything the model runner needs for one step, as flat arrays, and the
+//! ticket that alone can apply the step's results.
 //!
 //! Target pass rows are grouped per request (`query_start_loc`). Decoding requests come
 //! first, each with its verify block `[bonus, d_1 .. d_{B-1}]` at positions
 //! `committed .. committed+B-1`; prefill chunks follow. The draft pass is exactly the first
 //! `num_decode` requests / `num_decode * B` rows of the same arrays before the runner fills in
 //! the drafts: one block `[bonus, MASK x (B-1)]` per decoding request, same positions, same
-//! slots, same block tables (so it costs no second copy). The runner writes draft token k of a
+//! slots, same page tables (so it costs no second copy). The runner writes draft token k of a
 //! request into `verify_target_rows`, which are also the draft rows whose logits it reads.
 //! Every slot and page id comes from here: Python derives none.
+//!
+//! The plan is information for the runner; the scheduler never reads it back. `commit`
+//! takes the [`StepTicket`] (move-only, unforgeable) and applies results against the
+//! scheduler's own record of what it planned.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryKind {
@@ -17,7 +22,7 @@ pub enum EntryKind {
     Decode { committed: usize },
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlanEntry {
     pub handle: u64,
     pub kind: EntryKind,
@@ -29,6 +34,15 @@ pub struct PlanEntry {
 }
 
 impl PlanEntry {
+    /// Target rows of this request in this step (a prefill chunk, or the B verify rows,
+    /// every one of which is sampled).
+    pub fn num_rows(&self) -> usize {
+        match self.kind {
+            EntryKind::Prefill { len, .. } => len,
+            EntryKind::Decode { .. } => self.num_samples,
+        }
+    }
+
     /// Draft tokens proposed to this request in this step (the most it can accept).
     pub fn num_drafts(&self) -> usize {
         match self.kind {
@@ -38,7 +52,7 @@ impl PlanEntry {
     }
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct PassArrays {
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
@@ -47,7 +61,7 @@ pub struct PassArrays {
     pub query_start_loc: Vec<i32>,
     pub seq_lens: Vec<i32>,
     /// Row-major `[R, max_pages]`, padded with the null page.
-    pub block_tables: Vec<i32>,
+    pub page_tables: Vec<i32>,
     pub max_pages: usize,
 }
 
@@ -61,11 +75,12 @@ impl PassArrays {
     }
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct StepPlan {
     pub step_id: u64,
     /// B = num_speculative_tokens + 1 (1 when speculation is off).
     pub block_rows: usize,
+    /// A copy of what the scheduler planned, for readers; `commit` uses its own record.
     pub entries: Vec<PlanEntry>,
     pub target: PassArrays,
     /// Target rows whose logits are sampled: the last prompt row, or all B verify rows.
@@ -74,46 +89,38 @@ pub struct StepPlan {
     pub num_decode: usize,
     /// Rows 1..B-1 of every verify block (draft rows, and where the drafts go).
     pub verify_target_rows: Vec<i64>,
-    /// Requests preempted while building this plan.
-    pub preempted: Vec<u64>,
 }
 
 impl StepPlan {
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// Target rows sampled in this step (the length `sampled` must have at commit).
     pub fn num_sample_rows(&self) -> usize {
-        self.entries.last().map_or(0, |e| e.sample_start + e.num_samples)
+        self.sample_rows.len()
     }
 
     /// Rows of the draft pass: the leading `num_decode * B` target rows.
     pub fn num_draft_rows(&self) -> usize {
         self.num_decode * self.block_rows
     }
+}
 
-    /// Target rows whose tap hidden states become draft context, given the accepted counts:
-    /// every prefill row, and the first `accepted+1` rows of each verify block.
-    pub fn context_rows(&self, accepted: &[u32]) -> Result<Vec<i64>, String> {
-        if accepted.len() != self.entries.len() {
-            return Err(format!(
-                "accepted has {} entries, the plan has {} requests",
-                accepted.len(),
-                self.entries.len()
-            ));
-        }
-        let mut rows = Vec::with_capacity(self.target.num_rows());
-        for (e, &a) in self.entries.iter().zip(accepted) {
-            if a as usize > e.num_drafts() {
-                return Err(format!("request {}: accepted {a} > proposed {}", e.handle, e.num_drafts()));
-            }
-            let n = match e.kind {
-                EntryKind::Prefill { len, .. } => len,
-                EntryKind::Decode { .. } => a as usize + 1,
-            };
-            rows.extend((e.q_start..e.q_start + n).map(|r| r as i64));
-        }
-        Ok(rows)
+/// The right to apply (or cancel, or fail) one step's results, once. It cannot be cloned,
+/// built outside the core, or used with another scheduler.
+#[derive(Debug, PartialEq, Eq)]
+pub struct StepTicket {
+    scheduler: u64,
+    step_id: u64,
+}
+
+impl StepTicket {
+    pub(crate) fn new(scheduler: u64, step_id: u64) -> Self {
+        StepTicket { scheduler, step_id }
+    }
+
+    pub fn step_id(&self) -> u64 {
+        self.step_id
+    }
+
+    pub(crate) fn scheduler(&self) -> u64 {
+        self.scheduler
     }
 }

@@ -1,32 +1,62 @@
 //! Thin PyO3 layer: converts, never decides. Arrays cross as numpy buffers that take
 //! ownership of the Rust vectors (no copy).
 
+use std::sync::Mutex;
+
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::error::CoreError;
-use crate::plan::{EntryKind, PlanEntry, StepPlan};
-use crate::request::{FinishReason, Phase};
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::error::{CoreError, Param};
+use crate::plan::{StepPlan, StepTicket};
+use crate::request::FinishReason;
+use crate::scheduler::{pages_per_seq, Scheduler, SchedulerConfig};
 
 mod exc {
     use pyo3::create_exception;
     use pyo3::exceptions::PyException;
     create_exception!(_core, CoreError, PyException, "Base class of every dflash_engine._core error.");
     create_exception!(_core, InvalidConfigError, CoreError, "Scheduler configuration is invalid.");
-    create_exception!(_core, RequestRejectedError, CoreError, "The request can never be served.");
     create_exception!(_core, DuplicateRequestError, CoreError, "The request id is already live.");
     create_exception!(_core, UnknownRequestError, CoreError, "No live request has this handle.");
     create_exception!(_core, PlanOutstandingError, CoreError, "The previous plan is not committed or cancelled.");
-    create_exception!(_core, StalePlanError, CoreError, "The plan is not the outstanding one, or its requests changed.");
+    create_exception!(_core, StalePlanError, CoreError, "The plan's ticket is spent or belongs to another scheduler.");
     create_exception!(_core, InvalidCommitError, CoreError, "Step results do not fit the plan.");
+}
+
+/// `RequestRejectedError(CoreError, ValueError)`: bad input is a ValueError to callers that
+/// know nothing of the core; `.param` names the request parameter (OpenAI's name).
+static REQUEST_REJECTED: GILOnceCell<Py<PyType>> = GILOnceCell::new();
+
+fn request_rejected_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    REQUEST_REJECTED
+        .get_or_try_init(py, || {
+            let bases = PyTuple::new(py, [py.get_type::<exc::CoreError>().into_any(), py.get_type::<pyo3::exceptions::PyValueError>().into_any()])?;
+            let ns = PyDict::new(py);
+            ns.set_item("__doc__", "The request can never be served; `param` names the offending parameter.")?;
+            ns.set_item("__module__", "dflash_engine._core")?;
+            ns.set_item("param", py.None())?;
+            let ty = py.import("builtins")?.getattr("type")?.call1(("RequestRejectedError", bases, ns))?;
+            Ok(ty.downcast_into::<PyType>()?.unbind())
+        })
+        .map(|t| t.bind(py))
+}
+
+fn rejected(py: Python<'_>, param: Param, msg: String) -> PyErr {
+    let build = || -> PyResult<PyErr> {
+        let err = request_rejected_type(py)?.call1((msg.clone(),))?;
+        err.setattr("param", param.as_str())?;
+        Ok(PyErr::from_value(err))
+    };
+    build().unwrap_or_else(|e| e)
 }
 
 fn to_py(e: CoreError) -> PyErr {
     let msg = e.to_string();
     match e {
         CoreError::InvalidConfig(_) => exc::InvalidConfigError::new_err(msg),
-        CoreError::Rejected { .. } => exc::RequestRejectedError::new_err(msg),
+        CoreError::Rejected { param, .. } => Python::with_gil(|py| rejected(py, param, msg)),
         CoreError::DuplicateRequest(_) => exc::DuplicateRequestError::new_err(msg),
         CoreError::UnknownRequest(_) => exc::UnknownRequestError::new_err(msg),
         CoreError::PlanOutstanding { .. } => exc::PlanOutstandingError::new_err(msg),
@@ -36,49 +66,66 @@ fn to_py(e: CoreError) -> PyErr {
 }
 
 fn parse_reason(reason: &str) -> PyResult<FinishReason> {
-    Ok(match reason {
-        "stop" => FinishReason::Stop,
-        "length" => FinishReason::Length,
-        "abort" => FinishReason::Abort,
-        "error" => FinishReason::Error,
-        other => {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "unknown finish reason {other:?} (stop, length, abort, error)"
-            )))
-        }
+    FinishReason::from_name(reason).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!("unknown finish reason {reason:?} (stop, length, abort, error)"))
     })
 }
 
-/// Accepts an int64 numpy array (fast path) or any sequence of ints.
-fn u32_vec(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
-    let conv = |v: i64| {
-        u32::try_from(v).map_err(|_| exc::InvalidCommitError::new_err(format!("{what}: value {v} out of range")))
-    };
-    match obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        Ok(a) => a.as_slice()?.iter().map(|&v| conv(v)).collect(),
-        Err(_) => obj.extract::<Vec<i64>>()?.into_iter().map(conv).collect(),
+/// Accepts an int64 numpy array (fast path) or any sequence of ints; a value outside u32
+/// is reported through `err`.
+fn u32_vec(obj: &Bound<'_, PyAny>, what: &str, err: impl Fn(String) -> PyErr) -> PyResult<Vec<u32>> {
+    let conv = |v: i64| u32::try_from(v).map_err(|_| err(format!("{what}: value {v} out of range [0, 2^32)")));
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return a.as_slice()?.iter().map(|&v| conv(v)).collect();
+    }
+    match obj.extract::<Vec<i64>>() {
+        Ok(v) => v.into_iter().map(conv).collect(),
+        Err(_) => Err(err(format!("{what} must be a sequence of integers in [0, 2^32)"))),
     }
 }
 
-fn arr1<'py, T: numpy::Element>(py: Python<'py>, v: Vec<T>) -> Py<PyArray1<T>> {
-    v.into_pyarray(py).unbind()
+fn commit_error(what: &str) -> impl Fn(String) -> PyErr + '_ {
+    move |m| exc::InvalidCommitError::new_err(format!("{what}: {m}"))
+}
+
+/// A numpy array owning `v`, read-only: the plan is information, not a channel back.
+fn arr1<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> PyResult<Py<PyArray1<T>>> {
+    let a = v.into_pyarray(py);
+    a.getattr("flags")?.setattr("writeable", false)?;
+    Ok(a.unbind())
 }
 
 fn arr2(py: Python<'_>, v: Vec<i32>, rows: usize, cols: usize) -> PyResult<Py<PyArray2<i32>>> {
-    Ok(v.into_pyarray(py).reshape([rows, cols])?.unbind())
+    let a = v.into_pyarray(py).reshape([rows, cols])?;
+    a.getattr("flags")?.setattr("writeable", false)?;
+    Ok(a.unbind())
 }
 
+/// `arr[:n]` as a numpy view (no copy; read-only like its base).
+fn prefix<T: numpy::Element, D: numpy::ndarray::Dimension>(
+    arr: &Py<numpy::PyArray<T, D>>,
+    py: Python<'_>,
+    n: usize,
+) -> PyResult<Py<numpy::PyArray<T, D>>> {
+    let view = arr.bind(py).get_item(pyo3::types::PySlice::new(py, 0, n as isize, 1))?;
+    Ok(view.downcast_into::<numpy::PyArray<T, D>>()?.unbind())
+}
+
+/// One step's arrays (read-only numpy) and, inside, the ticket `commit` consumes.
 #[pyclass(name = "StepPlan", module = "dflash_engine._core", frozen)]
 pub struct PyStepPlan {
-    plan: StepPlan,
+    ticket: Mutex<Option<StepTicket>>,
     #[pyo3(get)]
     step_id: u64,
     #[pyo3(get)]
     block_rows: usize,
     #[pyo3(get)]
+    num_decode: usize,
+    #[pyo3(get)]
     handles: Py<PyArray1<u64>>,
     #[pyo3(get)]
     num_drafts: Py<PyArray1<i64>>,
+    /// R+1 offsets into `sample_rows`.
     #[pyo3(get)]
     sample_start: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -92,7 +139,7 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     seq_lens: Py<PyArray1<i32>>,
     #[pyo3(get)]
-    block_tables: Py<PyArray2<i32>>,
+    page_tables: Py<PyArray2<i32>>,
     #[pyo3(get)]
     sample_rows: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -106,29 +153,13 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     draft_seq_lens: Py<PyArray1<i32>>,
     #[pyo3(get)]
-    draft_block_tables: Py<PyArray2<i32>>,
-    #[pyo3(get)]
-    draft_entry: Py<PyArray1<i64>>,
+    draft_page_tables: Py<PyArray2<i32>>,
     #[pyo3(get)]
     verify_target_rows: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    verify_draft_rows: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    preempted: Py<PyArray1<u64>>,
-}
-
-/// `arr[:n]` as a numpy view (no copy).
-fn prefix<'py, T: numpy::Element, D: numpy::ndarray::Dimension>(
-    arr: &Py<numpy::PyArray<T, D>>,
-    py: Python<'py>,
-    n: usize,
-) -> PyResult<Py<numpy::PyArray<T, D>>> {
-    let view = arr.bind(py).get_item(pyo3::types::PySlice::new(py, 0, n as isize, 1))?;
-    Ok(view.downcast_into::<numpy::PyArray<T, D>>()?.unbind())
 }
 
 impl PyStepPlan {
-    fn new(py: Python<'_>, mut plan: StepPlan) -> PyResult<Self> {
+    fn new(py: Python<'_>, ticket: StepTicket, mut plan: StepPlan) -> PyResult<Self> {
         let r = plan.entries.len();
         let (nd, nd_rows) = (plan.num_decode, plan.num_draft_rows());
         let handles = plan.entries.iter().map(|e| e.handle).collect();
@@ -136,86 +167,66 @@ impl PyStepPlan {
         let mut sample_start: Vec<i64> = plan.entries.iter().map(|e| e.sample_start as i64).collect();
         sample_start.push(plan.num_sample_rows() as i64);
         let t = std::mem::take(&mut plan.target);
-        let input_ids = arr1(py, t.input_ids);
-        let positions = arr1(py, t.positions);
-        let slot_mapping = arr1(py, t.slot_mapping);
-        let query_start_loc = arr1(py, t.query_start_loc);
-        let seq_lens = arr1(py, t.seq_lens);
-        let block_tables = arr2(py, t.block_tables, r, t.max_pages)?;
-        let verify_target_rows = arr1(py, std::mem::take(&mut plan.verify_target_rows));
+        let input_ids = arr1(py, t.input_ids)?;
+        let positions = arr1(py, t.positions)?;
+        let slot_mapping = arr1(py, t.slot_mapping)?;
+        let query_start_loc = arr1(py, t.query_start_loc)?;
+        let seq_lens = arr1(py, t.seq_lens)?;
+        let page_tables = arr2(py, t.page_tables, r, t.max_pages)?;
         // The draft pass is the leading decode requests of the target pass (see plan.rs): views.
-        // The runner fills drafts into its own device copy of input_ids, never into these.
         Ok(PyStepPlan {
+            ticket: Mutex::new(Some(ticket)),
             step_id: plan.step_id,
             block_rows: plan.block_rows,
-            handles: arr1(py, handles),
-            num_drafts: arr1(py, num_drafts),
-            sample_start: arr1(py, sample_start),
+            num_decode: nd,
+            handles: arr1(py, handles)?,
+            num_drafts: arr1(py, num_drafts)?,
+            sample_start: arr1(py, sample_start)?,
             draft_input_ids: prefix(&input_ids, py, nd_rows)?,
             draft_positions: prefix(&positions, py, nd_rows)?,
             draft_slot_mapping: prefix(&slot_mapping, py, nd_rows)?,
             draft_query_start_loc: prefix(&query_start_loc, py, nd + 1)?,
             draft_seq_lens: prefix(&seq_lens, py, nd)?,
-            draft_block_tables: prefix(&block_tables, py, nd)?,
-            draft_entry: arr1(py, (0..nd as i64).collect()),
-            verify_draft_rows: verify_target_rows.clone_ref(py),
+            draft_page_tables: prefix(&page_tables, py, nd)?,
             input_ids,
             positions,
             slot_mapping,
             query_start_loc,
             seq_lens,
-            block_tables,
-            verify_target_rows,
-            sample_rows: arr1(py, std::mem::take(&mut plan.sample_rows)),
-            preempted: arr1(py, std::mem::take(&mut plan.preempted)),
-            plan,
+            page_tables,
+            verify_target_rows: arr1(py, std::mem::take(&mut plan.verify_target_rows))?,
+            sample_rows: arr1(py, std::mem::take(&mut plan.sample_rows))?,
         })
     }
-}
 
-fn kind_tuple(e: &PlanEntry) -> (&'static str, usize, usize, bool) {
-    match e.kind {
-        EntryKind::Prefill { start, len, sample } => ("prefill", start, len, sample),
-        EntryKind::Decode { committed } => ("decode", committed, e.num_samples, true),
+    /// The ticket, once; a second taker gets `StalePlanError`.
+    fn take_ticket(&self) -> PyResult<StepTicket> {
+        self.ticket
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| exc::StalePlanError::new_err(format!("the ticket of step {} is already spent", self.step_id)))
+    }
+
+    fn return_ticket(&self, ticket: StepTicket) {
+        *self.ticket.lock().unwrap_or_else(|e| e.into_inner()) = Some(ticket);
     }
 }
 
 #[pymethods]
 impl PyStepPlan {
-    fn __len__(&self) -> usize {
-        self.plan.entries.len()
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        self.handles.bind(py).len()
     }
 
+    /// Target rows of this step.
     #[getter]
-    fn num_rows(&self) -> usize {
-        self.plan.entries.iter().map(|e| match e.kind {
-            EntryKind::Prefill { len, .. } => len,
-            EntryKind::Decode { .. } => e.num_samples,
-        }).sum()
+    fn num_rows(&self, py: Python<'_>) -> PyResult<usize> {
+        self.input_ids.bind(py).len()
     }
 
-    #[getter]
-    fn num_decode(&self) -> usize {
-        self.plan.num_decode
-    }
-
-    /// Per request: (kind, start_or_committed, rows, samples_at_end).
-    fn entries(&self) -> Vec<(u64, &'static str, usize, usize, bool)> {
-        self.plan.entries.iter().map(|e| {
-            let (k, a, b, c) = kind_tuple(e);
-            (e.handle, k, a, b, c)
-        }).collect()
-    }
-
-    /// Target rows whose tap hidden states become draft context given the accepted counts.
-    fn context_rows<'py>(&self, py: Python<'py>, accepted: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let acc = u32_vec(accepted, "accepted")?;
-        let rows = self.plan.context_rows(&acc).map_err(exc::InvalidCommitError::new_err)?;
-        Ok(rows.into_pyarray(py))
-    }
-
-    fn __repr__(&self) -> String {
-        format!("StepPlan(step_id={}, requests={}, block_rows={})", self.step_id, self.plan.entries.len(), self.block_rows)
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!("StepPlan(step_id={}, requests={}, block_rows={})", self.step_id, self.__len__(py)?, self.block_rows))
     }
 }
 
@@ -231,7 +242,7 @@ pub struct PyCommitResult {
     offsets: Py<PyArray1<i64>>,
     #[pyo3(get)]
     new_tokens: Py<PyArray1<i64>>,
-    /// 0 running, 1 stop, 2 length, 3 abort, 4 error.
+    /// 0 running, else an index into `FINISH_REASONS`.
     #[pyo3(get)]
     finish_codes: Py<PyArray1<u8>>,
 }
@@ -263,11 +274,11 @@ pub struct PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (*, num_pages, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+    #[pyo3(signature = (*, num_pages, page_size, max_num_seqs, max_num_batched_tokens, max_model_len,
                         num_speculative_tokens = 0, mask_token_id = 0))]
     fn new(
         num_pages: usize,
-        block_size: usize,
+        page_size: usize,
         max_num_seqs: usize,
         max_num_batched_tokens: usize,
         max_model_len: usize,
@@ -276,7 +287,7 @@ impl PyScheduler {
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
             num_pages,
-            block_size,
+            page_size,
             max_num_seqs,
             max_num_batched_tokens,
             max_model_len,
@@ -286,24 +297,32 @@ impl PyScheduler {
         Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py)? })
     }
 
+    /// Queue a request; returns its handle. Bad input raises `RequestRejectedError`
+    /// (a `ValueError`) naming the parameter; a live id raises `DuplicateRequestError`.
     #[pyo3(signature = (request_id, prompt_token_ids, max_tokens, stop_token_ids = None))]
     fn add_request(
         &mut self,
+        py: Python<'_>,
         request_id: &str,
         prompt_token_ids: &Bound<'_, PyAny>,
-        max_tokens: usize,
+        max_tokens: &Bound<'_, PyAny>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
-        let prompt = u32_vec(prompt_token_ids, "prompt_token_ids").map_err(|e| {
-            exc::RequestRejectedError::new_err(format!("request {request_id:?} rejected: {e}"))
-        })?;
+        let reject = |param: Param| move |m: String| rejected(py, param, format!("request {request_id:?} rejected: {m}"));
+        let prompt = u32_vec(prompt_token_ids, "prompt_token_ids", reject(Param::Prompt))?;
+        let max_tokens: usize = max_tokens
+            .extract::<u64>()
+            .ok()
+            .and_then(|v| usize::try_from(v).ok())
+            .ok_or_else(|| reject(Param::MaxTokens)(format!("max_tokens must be a non-negative integer, got {max_tokens}")))?;
         let stops = match stop_token_ids {
-            Some(s) => u32_vec(s, "stop_token_ids")?,
+            Some(s) => u32_vec(s, "stop_token_ids", reject(Param::StopTokenIds))?,
             None => Vec::new(),
         };
         self.inner.add_request(request_id, prompt, max_tokens, stops).map_err(to_py)
     }
 
+    /// The one request-id registry: handle of a live request id.
     fn handle_of(&self, request_id: &str) -> Option<u64> {
         self.inner.handle_of(request_id)
     }
@@ -316,11 +335,23 @@ impl PyScheduler {
         self.inner.finish(handle, parse_reason(reason)?).map_err(to_py)
     }
 
-    fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
-        let plan = self.inner.schedule().map_err(to_py)?;
-        PyStepPlan::new(py, plan)
+    /// The next step's plan, or None when there is nothing to run (nothing to commit then).
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<Option<PyStepPlan>> {
+        match self.inner.schedule().map_err(to_py)? {
+            Some((ticket, plan)) => Ok(Some(PyStepPlan::new(py, ticket, plan)?)),
+            None => Ok(None),
+        }
     }
 
+    /// A step for one running request alone (None if it is not running).
+    fn schedule_only(&mut self, py: Python<'_>, handle: u64) -> PyResult<Option<PyStepPlan>> {
+        match self.inner.schedule_only(handle).map_err(to_py)? {
+            Some((ticket, plan)) => Ok(Some(PyStepPlan::new(py, ticket, plan)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Apply a step's results, spending the plan's ticket; a refused commit keeps it.
     fn commit(
         &mut self,
         py: Python<'_>,
@@ -328,24 +359,31 @@ impl PyScheduler {
         accepted: &Bound<'_, PyAny>,
         sampled: &Bound<'_, PyAny>,
     ) -> PyResult<PyCommitResult> {
-        let acc = u32_vec(accepted, "accepted")?;
-        let smp = u32_vec(sampled, "sampled")?;
-        let b = self.inner.commit_batch(&plan.plan, &acc, &smp).map_err(to_py)?;
+        let acc = u32_vec(accepted, "accepted", commit_error("accepted"))?;
+        let smp = u32_vec(sampled, "sampled", commit_error("sampled"))?;
+        let b = match self.inner.commit(plan.take_ticket()?, &acc, &smp) {
+            Ok(b) => b,
+            Err(refused) => {
+                plan.return_ticket(refused.ticket);
+                return Err(to_py(refused.error));
+            }
+        };
         Ok(PyCommitResult {
-            handles: arr1(py, b.handles),
-            offsets: arr1(py, b.offsets),
-            new_tokens: arr1(py, b.tokens),
-            finish_codes: arr1(py, b.finish),
+            handles: arr1(py, b.handles)?,
+            offsets: arr1(py, b.offsets)?,
+            new_tokens: arr1(py, b.tokens)?,
+            finish_codes: arr1(py, b.finish)?,
         })
     }
 
     fn cancel(&mut self, plan: &PyStepPlan) -> PyResult<()> {
-        self.inner.cancel(&plan.plan).map_err(to_py)
+        self.inner.cancel(plan.take_ticket()?).map_err(to_py)
     }
 
     #[pyo3(signature = (plan, reason = "error"))]
     fn fail(&mut self, plan: &PyStepPlan, reason: &str) -> PyResult<Vec<u64>> {
-        self.inner.fail(&plan.plan, parse_reason(reason)?).map_err(to_py)
+        let reason = parse_reason(reason)?;
+        self.inner.fail(plan.take_ticket()?, reason).map_err(to_py)
     }
 
     /// (phase, computed-or-committed, tokens) of a live request.
@@ -354,12 +392,7 @@ impl PyScheduler {
             .inner
             .request(handle)
             .ok_or_else(|| to_py(CoreError::UnknownRequest(format!("handle {handle}"))))?;
-        let n = match r.phase {
-            Phase::Prefilling { computed } => computed,
-            Phase::Decoding { committed, .. } => committed,
-            _ => 0,
-        };
-        Ok((r.phase.name(), n, r.tokens.clone()))
+        Ok((r.phase().name(), r.num_computed(), r.tokens().to_vec()))
     }
 
     fn check_invariants(&self) -> PyResult<()> {
@@ -395,8 +428,8 @@ impl PyScheduler {
         self.inner.num_preemptions()
     }
     #[getter]
-    fn block_size(&self) -> usize {
-        self.inner.config().block_size
+    fn page_size(&self) -> usize {
+        self.inner.config().page_size
     }
     #[getter]
     fn block_rows(&self) -> usize {
@@ -408,6 +441,16 @@ impl PyScheduler {
     }
 }
 
+/// Pages one request of `max_model_len` tokens holds at most (the core's admission bound).
+#[pyfunction]
+#[pyo3(name = "pages_per_seq")]
+fn py_pages_per_seq(max_model_len: usize, num_speculative_tokens: usize, page_size: usize) -> PyResult<usize> {
+    if page_size == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err("page_size must be >= 1"));
+    }
+    Ok(pages_per_seq(max_model_len, num_speculative_tokens + 1, page_size))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -416,13 +459,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCommitResult>()?;
     m.add("CoreError", py.get_type::<exc::CoreError>())?;
     m.add("InvalidConfigError", py.get_type::<exc::InvalidConfigError>())?;
-    m.add("RequestRejectedError", py.get_type::<exc::RequestRejectedError>())?;
+    m.add("RequestRejectedError", request_rejected_type(py)?)?;
     m.add("DuplicateRequestError", py.get_type::<exc::DuplicateRequestError>())?;
     m.add("UnknownRequestError", py.get_type::<exc::UnknownRequestError>())?;
     m.add("PlanOutstandingError", py.get_type::<exc::PlanOutstandingError>())?;
     m.add("StalePlanError", py.get_type::<exc::StalePlanError>())?;
     m.add("InvalidCommitError", py.get_type::<exc::InvalidCommitError>())?;
-    m.add("NULL_PAGE", crate::block_pool::NULL_PAGE)?;
+    m.add("NULL_PAGE", crate::page_pool::NULL_PAGE)?;
     m.add("FINISH_REASONS", FinishReason::NAMES.to_vec())?;
+    m.add_function(wrap_pyfunction!(py_pages_per_seq, m)?)?;
     Ok(())
 }

@@ -1,66 +1,66 @@
 //! One request and its state machine.
 //!
 //! ```text
-//!   Waiting ──admit──▶ Prefilling{computed} ──last chunk──▶ Decoding{committed, bonus}
+//!   Waiting ──admit──▶ Prefilling{computed} ──last chunk──▶ Decoding
 //!      ▲                    │                                   │
 //!      └──── Preempted ◀────┴──────────── preempt ──────────────┘
 //!   any live state ──abort / stop / length / error──▶ Finished(reason)
 //! ```
 //! `tokens` = prompt ++ output. In `Decoding`, the target KV (and, by construction, the
-//! draft context: same slots, same pages) holds positions `[0, committed)` and
-//! `tokens == [.. committed tokens .., bonus]`, i.e. `committed + 1 == tokens.len()`.
-//! There is no draft-side length anywhere: the draft context *is* the committed prefix.
+//! draft context: same slots, same pages) holds positions `[0, committed)` where
+//! `committed == tokens.len() - 1`, and the bonus token is `tokens[committed]`: both are
+//! read off `tokens`, never stored beside it. There is no draft-side length anywhere: the
+//! draft context *is* the committed prefix.
+//!
+//! Fields are private: the phase changes only through the transitions below, each of which
+//! keeps the invariants above (the scheduler decides *when*, the request *how*).
 
-use crate::block_pool::PageList;
+use crate::page_pool::PageList;
 
+/// Why a request finished. The discriminant is the code handed to Python (0 = running).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 pub enum FinishReason {
     /// A stop token (EOS or a `stop_token_ids` entry) or a stop string.
-    Stop,
+    Stop = 1,
     /// `max_tokens` reached.
-    Length,
+    Length = 2,
     /// Aborted by the client (or rejected mid-flight).
-    Abort,
+    Abort = 3,
     /// An engine error while processing this request.
-    Error,
+    Error = 4,
 }
 
 impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        Self::NAMES[self.code() as usize].expect("finished reasons have names")
-    }
+    pub const ALL: [FinishReason; 4] = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Error];
 
     /// Names by code (`code()` indexes this; 0 = still running).
     pub const NAMES: [Option<&'static str>; 5] = [None, Some("stop"), Some("length"), Some("abort"), Some("error")];
 
-    pub fn from_code(code: u8) -> Option<FinishReason> {
-        match code {
-            1 => Some(FinishReason::Stop),
-            2 => Some(FinishReason::Length),
-            3 => Some(FinishReason::Abort),
-            4 => Some(FinishReason::Error),
-            _ => None,
-        }
+    pub fn code(self) -> u8 {
+        self as u8
     }
 
-    /// Compact code for numpy transport: 0 = not finished.
-    pub fn code(self) -> u8 {
-        match self {
-            FinishReason::Stop => 1,
-            FinishReason::Length => 2,
-            FinishReason::Abort => 3,
-            FinishReason::Error => 4,
-        }
+    pub fn as_str(self) -> &'static str {
+        Self::NAMES[self.code() as usize].expect("finished reasons have names")
+    }
+
+    pub fn from_code(code: u8) -> Option<FinishReason> {
+        Self::ALL.into_iter().find(|r| r.code() == code)
+    }
+
+    pub fn from_name(name: &str) -> Option<FinishReason> {
+        Self::ALL.into_iter().find(|r| r.as_str() == name)
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     Waiting,
     /// `computed` tokens have KV; the target of prefill is `Request::prefill_target()`.
     Prefilling { computed: usize },
-    /// `committed` tokens have KV; `bonus` is the last sampled token, not yet in any KV.
-    Decoding { committed: usize, bonus: u32 },
+    /// `tokens.len() - 1` tokens have KV; the last token is the bonus, not yet in any KV.
+    Decoding,
     /// Evicted by recompute: everything it held is freed; it will prefill its known tokens again.
     Preempted,
     Finished(FinishReason),
@@ -71,60 +71,76 @@ impl Phase {
         match self {
             Phase::Waiting => "waiting",
             Phase::Prefilling { .. } => "prefilling",
-            Phase::Decoding { .. } => "decoding",
+            Phase::Decoding => "decoding",
             Phase::Preempted => "preempted",
             Phase::Finished(_) => "finished",
         }
     }
 
-    /// Waiting | Preempted -> Prefilling{0}.
-    pub fn admit(self) -> Phase {
-        match self {
-            Phase::Waiting | Phase::Preempted => Phase::Prefilling { computed: 0 },
-            other => panic!("admit from {}", other.name()),
-        }
-    }
-
-    /// Prefilling | Decoding -> Preempted.
-    pub fn preempt(self) -> Phase {
-        match self {
-            Phase::Prefilling { .. } | Phase::Decoding { .. } => Phase::Preempted,
-            other => panic!("preempt from {}", other.name()),
-        }
-    }
-
-    pub fn finish(self, reason: FinishReason) -> Phase {
-        match self {
-            Phase::Finished(_) => panic!("finish twice"),
-            _ => Phase::Finished(reason),
-        }
-    }
-
     pub fn is_running(&self) -> bool {
-        matches!(self, Phase::Prefilling { .. } | Phase::Decoding { .. })
+        matches!(self, Phase::Prefilling { .. } | Phase::Decoding)
     }
+}
+
+/// What applying one step's results did to a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    /// Tokens appended to the output by this step.
+    pub new_tokens: usize,
+    pub finish: Option<FinishReason>,
 }
 
 #[derive(Debug)]
 pub struct Request {
-    pub handle: u64,
-    pub id: String,
-    pub prompt_len: usize,
+    id: String,
+    prompt_len: usize,
     /// prompt ++ output tokens.
-    pub tokens: Vec<u32>,
-    pub max_tokens: usize,
+    tokens: Vec<u32>,
+    max_tokens: usize,
     /// EOS ids (unless ignore_eos) and the request's stop_token_ids.
-    pub stop_token_ids: Vec<u32>,
-    pub phase: Phase,
-    pub pages: PageList,
-    /// The step whose plan may commit to this request, if any.
-    pub ticket: Option<u64>,
-    pub num_preemptions: u32,
+    stop_token_ids: Vec<u32>,
+    phase: Phase,
+    pages: PageList,
 }
 
 impl Request {
+    pub(crate) fn new(id: &str, prompt: &[u32], max_tokens: usize, stop_token_ids: Vec<u32>, pages: PageList) -> Self {
+        let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
+        tokens.extend_from_slice(prompt);
+        Request { id: id.to_string(), prompt_len: prompt.len(), tokens, max_tokens, stop_token_ids, phase: Phase::Waiting, pages }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn pages(&self) -> &PageList {
+        &self.pages
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
     pub fn num_output(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens whose KV exists: `computed` while prefilling, `committed` while decoding.
+    pub fn num_computed(&self) -> usize {
+        match self.phase {
+            Phase::Prefilling { computed } => computed,
+            Phase::Decoding => self.tokens.len() - 1,
+            _ => 0,
+        }
     }
 
     /// How many tokens prefill must bring into KV, and whether its last row is sampled.
@@ -138,8 +154,68 @@ impl Request {
         }
     }
 
+    /// Grow the page list to `n` pages; all or nothing.
+    pub(crate) fn grow_pages(&mut self, n: usize) -> bool {
+        self.pages.grow_to(n)
+    }
+
+    /// Waiting | Preempted -> Prefilling{0}.
+    pub(crate) fn admit(&mut self) {
+        self.phase = match self.phase {
+            Phase::Waiting | Phase::Preempted => Phase::Prefilling { computed: 0 },
+            other => panic!("admit from {}", other.name()),
+        };
+    }
+
+    /// Prefilling | Decoding -> Preempted; every page goes back to the pool.
+    pub(crate) fn preempt(&mut self) {
+        assert!(self.phase.is_running(), "preempt from {}", self.phase.name());
+        self.phase = Phase::Preempted;
+        self.pages.clear();
+    }
+
+    /// Any live state -> Finished; every page goes back to the pool.
+    pub(crate) fn finish(&mut self, reason: FinishReason) {
+        assert!(!matches!(self.phase, Phase::Finished(_)), "finish twice");
+        self.phase = Phase::Finished(reason);
+        self.pages.clear();
+    }
+
+    /// A prefill chunk of `len` rows from `start` ran. On the last chunk the request starts
+    /// decoding: with the sampled first token, or (resumed) with its known bonus token.
+    pub(crate) fn finish_prefill_chunk(&mut self, start: usize, len: usize, sampled: Option<u32>) -> Applied {
+        assert_eq!(self.phase, Phase::Prefilling { computed: start }, "prefill chunk out of order");
+        let (target, _) = self.prefill_target();
+        let computed = start + len;
+        if computed < target {
+            self.phase = Phase::Prefilling { computed };
+            return Applied { new_tokens: 0, finish: None };
+        }
+        self.phase = Phase::Decoding;
+        match sampled {
+            Some(tok) => Applied { new_tokens: 1, finish: self.push_token(tok) },
+            None => Applied { new_tokens: 0, finish: None },
+        }
+    }
+
+    /// A verify block ran at `committed`: commit `bonus, d_1..d_a`. The target's samples
+    /// `t_0..t_a` are those tokens' successors, so the output grows by `t_0..t_a` (cut at
+    /// a stop) and `t_a` is the new bonus.
+    pub(crate) fn apply_verify(&mut self, committed: usize, samples: &[u32]) -> Applied {
+        assert!(self.phase == Phase::Decoding && self.tokens.len() == committed + 1, "verify of a stale block");
+        let mut applied = Applied { new_tokens: 0, finish: None };
+        for &tok in samples {
+            applied.new_tokens += 1;
+            applied.finish = self.push_token(tok);
+            if applied.finish.is_some() {
+                break;
+            }
+        }
+        applied
+    }
+
     /// Append one sampled token; returns a finish reason if this token ends the request.
-    pub fn push_token(&mut self, token: u32) -> Option<FinishReason> {
+    fn push_token(&mut self, token: u32) -> Option<FinishReason> {
         self.tokens.push(token);
         if self.stop_token_ids.contains(&token) {
             Some(FinishReason::Stop)
@@ -154,30 +230,60 @@ impl Request {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::page_pool::PagePool;
+
+    fn req(pool: &PagePool) -> Request {
+        Request::new("r", &[1, 2, 3], 4, vec![9], pool.empty_list())
+    }
 
     #[test]
     fn finish_codes_round_trip() {
-        for r in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Error] {
+        for r in FinishReason::ALL {
             assert_eq!(FinishReason::from_code(r.code()), Some(r));
+            assert_eq!(FinishReason::from_name(r.as_str()), Some(r));
             assert_eq!(FinishReason::NAMES[r.code() as usize], Some(r.as_str()));
         }
         assert_eq!(FinishReason::from_code(0), None);
+        assert_eq!(FinishReason::from_name("running"), None);
     }
 
     #[test]
     fn transitions_follow_the_diagram() {
-        let p = Phase::Waiting.admit();
-        assert_eq!(p, Phase::Prefilling { computed: 0 });
-        let p = p.preempt();
-        assert_eq!(p, Phase::Preempted);
-        let p = p.admit();
-        assert!(p.is_running());
-        assert_eq!(p.finish(FinishReason::Abort), Phase::Finished(FinishReason::Abort));
+        let pool = PagePool::new(8, 4);
+        let mut r = req(&pool);
+        r.admit();
+        assert_eq!(r.phase(), Phase::Prefilling { computed: 0 });
+        assert!(r.grow_pages(1));
+        r.preempt();
+        assert_eq!(r.phase(), Phase::Preempted);
+        assert!(r.pages().is_empty(), "preemption frees the pages");
+        r.admit();
+        assert_eq!(r.finish_prefill_chunk(0, 2, None), Applied { new_tokens: 0, finish: None });
+        assert_eq!(r.finish_prefill_chunk(2, 1, Some(5)), Applied { new_tokens: 1, finish: None });
+        assert_eq!((r.phase(), r.num_computed(), r.tokens()), (Phase::Decoding, 3, &[1, 2, 3, 5][..]));
+        // bonus 5 at 3, accepted 1 draft: t_0, t_1 appended; the stop token 9 cuts the block.
+        assert_eq!(r.apply_verify(3, &[6, 9, 7]), Applied { new_tokens: 2, finish: Some(FinishReason::Stop) });
+        r.finish(FinishReason::Stop);
+        assert_eq!(r.phase(), Phase::Finished(FinishReason::Stop));
     }
 
     #[test]
     #[should_panic(expected = "admit from decoding")]
     fn cannot_admit_a_decoding_request() {
-        let _ = Phase::Decoding { committed: 3, bonus: 1 }.admit();
+        let pool = PagePool::new(8, 4);
+        let mut r = req(&pool);
+        r.admit();
+        r.finish_prefill_chunk(0, 3, Some(4));
+        r.admit();
+    }
+
+    #[test]
+    #[should_panic(expected = "verify of a stale block")]
+    fn verify_must_match_the_committed_count() {
+        let pool = PagePool::new(8, 4);
+        let mut r = req(&pool);
+        r.admit();
+        r.finish_prefill_chunk(0, 3, Some(4));
+        r.apply_verify(2, &[1]);
     }
 }

@@ -5,23 +5,35 @@
 //! Invariants (see `check_invariants`, exercised by the property tests):
 //! - every page is free or owned by exactly one live request (no sharing yet);
 //! - a running request is in `running` and nowhere else; waiting/preempted ones in `waiting`;
-//! - a decoding request's pages cover `committed`; one holding a ticket covers `committed + B`
-//!   (pages for the draft block are allocated before the step that drafts);
-//! - at most one plan is outstanding, and only its tickets can change request state.
+//! - a decoding request's pages cover `committed`; one in the outstanding step covers
+//!   `committed + B` (pages for the draft block are allocated before the step that drafts);
+//! - at most one step is outstanding; its record lives here, and only its move-only
+//!   [`StepTicket`] can apply, cancel or fail it (the caller's plan is never read back).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::block_pool::{BlockPool, NULL_PAGE};
-use crate::error::{CoreError, CoreResult};
-use crate::plan::{EntryKind, PlanEntry, StepPlan};
+use crate::error::{CoreError, CoreResult, Param};
+use crate::page_pool::{PagePool, NULL_PAGE};
+use crate::plan::{EntryKind, PlanEntry, StepPlan, StepTicket};
 use crate::request::{FinishReason, Phase, Request};
+
+/// Pages one request of `max_len` tokens holds at most: its last verify block reaches
+/// `block_rows` slots past its last token. The one place this bound is computed (admission
+/// checks it; the runner sizes pools with it through the Python binding).
+pub fn pages_per_seq(max_len: usize, block_rows: usize, page_size: usize) -> usize {
+    (max_len + block_rows).div_ceil(page_size)
+}
+
+/// Distinguishes schedulers so that a ticket of one is refused by another.
+static NEXT_SCHEDULER_ID: AtomicU64 = AtomicU64::new(1);
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// Pages in the pool, the null page included.
     pub num_pages: usize,
-    pub block_size: usize,
+    pub page_size: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
@@ -41,8 +53,8 @@ impl SchedulerConfig {
         if self.num_pages < 2 {
             return bad(format!("num_pages must be >= 2 (null page + one usable), got {}", self.num_pages));
         }
-        if self.block_size == 0 {
-            return bad("block_size must be >= 1".into());
+        if self.page_size == 0 {
+            return bad("page_size must be >= 1".into());
         }
         if self.max_num_seqs == 0 {
             return bad("max_num_seqs must be >= 1".into());
@@ -61,15 +73,8 @@ impl SchedulerConfig {
     }
 }
 
-/// What one commit did to one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CommitOutput {
-    pub handle: u64,
-    pub new_tokens: Vec<u32>,
-    pub finish: Option<FinishReason>,
-}
-
-/// The same, flat (one entry per plan request), ready to hand over as arrays.
+/// What a commit did, flat (one entry per still-live planned request), ready to hand over
+/// as arrays.
 #[derive(Debug, Clone, Default)]
 pub struct CommitBatch {
     pub handles: Vec<u64>,
@@ -100,26 +105,45 @@ impl Hasher for HandleHasher {
 
 type HandleMap<V> = HashMap<u64, V, BuildHasherDefault<HandleHasher>>;
 
+/// A commit the core refused: nothing changed, and the ticket comes back to try again
+/// (or to cancel / fail the step with).
+#[derive(Debug)]
+pub struct Refused {
+    pub error: CoreError,
+    pub ticket: StepTicket,
+}
+
+/// The scheduler's own record of the step it handed out.
+#[derive(Debug)]
+struct Outstanding {
+    step_id: u64,
+    entries: Vec<PlanEntry>,
+    num_sample_rows: usize,
+}
+
 #[derive(Debug)]
 pub struct Scheduler {
+    id: u64,
     cfg: SchedulerConfig,
-    pool: BlockPool,
+    pool: PagePool,
     requests: HandleMap<Request>,
+    /// The one request-id registry: client-visible id -> handle, for live requests.
     ids: HashMap<String, u64>,
     waiting: VecDeque<u64>,
     /// Admission order, oldest first; the newest is preempted first.
     running: Vec<u64>,
     next_handle: u64,
     next_step: u64,
-    outstanding: Option<u64>,
+    outstanding: Option<Outstanding>,
     num_preemptions: u64,
 }
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> CoreResult<Self> {
         cfg.validate()?;
-        let pool = BlockPool::new(cfg.num_pages, cfg.block_size);
+        let pool = PagePool::new(cfg.num_pages, cfg.page_size);
         Ok(Scheduler {
+            id: NEXT_SCHEDULER_ID.fetch_add(1, Ordering::Relaxed),
             cfg,
             pool,
             requests: HandleMap::default(),
@@ -137,7 +161,7 @@ impl Scheduler {
         &self.cfg
     }
 
-    pub fn pool(&self) -> &BlockPool {
+    pub fn pool(&self) -> &PagePool {
         &self.pool
     }
 
@@ -152,46 +176,38 @@ impl Scheduler {
         if self.ids.contains_key(id) {
             return Err(CoreError::DuplicateRequest(id.to_string()));
         }
-        let reject = |reason: String| Err(CoreError::Rejected { request_id: id.to_string(), reason });
+        let reject = |param: Param, reason: String| Err(CoreError::Rejected { request_id: id.to_string(), param, reason });
         if prompt.is_empty() {
-            return reject("the prompt is empty".into());
+            return reject(Param::Prompt, "the prompt is empty".into());
         }
         if max_tokens == 0 {
-            return reject("max_tokens must be >= 1".into());
+            return reject(Param::MaxTokens, "max_tokens must be >= 1".into());
         }
         let total = prompt.len() + max_tokens;
+        if prompt.len() >= self.cfg.max_model_len {
+            return reject(Param::Prompt, format!(
+                "the prompt ({} tokens) leaves no room to generate within max_model_len ({})",
+                prompt.len(),
+                self.cfg.max_model_len
+            ));
+        }
         if total > self.cfg.max_model_len {
-            return reject(format!(
+            return reject(Param::MaxTokens, format!(
                 "prompt ({} tokens) + max_tokens ({max_tokens}) = {total} exceeds max_model_len ({})",
                 prompt.len(),
                 self.cfg.max_model_len
             ));
         }
-        // The last verify block may reach B positions past the last token.
-        let pages = self.pool.pages_for(total + self.cfg.block_rows());
+        let pages = pages_per_seq(total, self.cfg.block_rows(), self.cfg.page_size);
         if pages > self.pool.num_usable() {
-            return reject(format!(
+            return reject(Param::Prompt, format!(
                 "needs {pages} KV pages at full length but the pool has {}",
                 self.pool.num_usable()
             ));
         }
         let handle = self.next_handle;
         self.next_handle += 1;
-        let mut tokens = Vec::with_capacity(total);
-        tokens.extend_from_slice(&prompt);
-        let req = Request {
-            handle,
-            id: id.to_string(),
-            prompt_len: prompt.len(),
-            tokens,
-            max_tokens,
-            stop_token_ids,
-            phase: Phase::Waiting,
-            pages: self.pool.empty_list(),
-            ticket: None,
-            num_preemptions: 0,
-        };
-        self.requests.insert(handle, req);
+        self.requests.insert(handle, Request::new(id, &prompt, max_tokens, stop_token_ids, self.pool.empty_list()));
         self.ids.insert(id.to_string(), handle);
         self.waiting.push_back(handle);
         Ok(handle)
@@ -217,53 +233,65 @@ impl Scheduler {
 
     fn remove(&mut self, handle: u64, reason: FinishReason) -> Request {
         let mut req = self.requests.remove(&handle).expect("live request");
-        self.ids.remove(&req.id);
-        if req.phase.is_running() {
+        self.ids.remove(req.id());
+        if req.phase().is_running() {
             self.running.retain(|&h| h != handle);
         } else {
             self.waiting.retain(|&h| h != handle);
         }
-        req.phase = std::mem::replace(&mut req.phase, Phase::Waiting).finish(reason);
-        req.ticket = None;
-        req.pages.clear();
+        req.finish(reason);
         req
     }
 
     fn preempt(&mut self, handle: u64) {
-        let req = self.requests.get_mut(&handle).expect("live request");
-        req.phase = std::mem::replace(&mut req.phase, Phase::Waiting).preempt();
-        req.pages.clear();
-        req.ticket = None;
-        req.num_preemptions += 1;
+        self.requests.get_mut(&handle).expect("live request").preempt();
         self.running.retain(|&h| h != handle);
         self.waiting.push_front(handle);
         self.num_preemptions += 1;
     }
 
-    /// Plan one step. Errors if the previous plan is still outstanding.
-    pub fn schedule(&mut self) -> CoreResult<StepPlan> {
-        if let Some(step_id) = self.outstanding {
-            return Err(CoreError::PlanOutstanding { step_id });
+    /// Plan one step: `None` when there is nothing to run (then nothing is outstanding).
+    /// Errors if the previous step is still outstanding.
+    pub fn schedule(&mut self) -> CoreResult<Option<(StepTicket, StepPlan)>> {
+        self.schedule_among(None)
+    }
+
+    /// Plan a step for one running request alone (no admission): how an engine tells a
+    /// request that fails by itself from the innocent ones of a failed step.
+    pub fn schedule_only(&mut self, handle: u64) -> CoreResult<Option<(StepTicket, StepPlan)>> {
+        self.schedule_among(Some(handle))
+    }
+
+    fn schedule_among(&mut self, only: Option<u64>) -> CoreResult<Option<(StepTicket, StepPlan)>> {
+        if let Some(o) = &self.outstanding {
+            return Err(CoreError::PlanOutstanding { step_id: o.step_id });
         }
         let b = self.cfg.block_rows();
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut chosen: Vec<(u64, EntryKind)> = Vec::with_capacity(self.running.len() + 8);
-        let mut preempted = Vec::new();
+        let mut preempted_any = false;
         let mut max_pages = 0;
 
         let mut i = 0;
         while i < self.running.len() {
             let h = self.running[i];
+            if only.is_some_and(|o| o != h) {
+                i += 1;
+                continue;
+            }
             let req = &self.requests[&h];
-            let (kind, rows, need_tokens) = match req.phase {
+            let (kind, rows, need_tokens) = match req.phase() {
                 Phase::Prefilling { computed } => {
                     let (target, sample) = req.prefill_target();
                     let len = (target - computed).min(budget);
                     let kind = EntryKind::Prefill { start: computed, len, sample: sample && computed + len == target };
                     (kind, len, computed + len)
                 }
-                Phase::Decoding { committed, .. } => (EntryKind::Decode { committed }, b, committed + b),
-                ref p => unreachable!("{} request in running", p.name()),
+                Phase::Decoding => {
+                    let committed = req.num_computed();
+                    (EntryKind::Decode { committed }, b, committed + b)
+                }
+                p => unreachable!("{} request in running", p.name()),
             };
             if rows == 0 || rows > budget {
                 i += 1;
@@ -273,13 +301,13 @@ impl Scheduler {
             let mut fits = true;
             loop {
                 let req = self.requests.get_mut(&h).expect("running request");
-                if self.pool.grow_to(&mut req.pages, need_pages) {
-                    max_pages = max_pages.max(req.pages.len());
+                if req.grow_pages(need_pages) {
+                    max_pages = max_pages.max(req.pages().len());
                     break;
                 }
                 let victim = *self.running.last().expect("h is running");
                 self.preempt(victim);
-                preempted.push(victim);
+                preempted_any = true;
                 if victim == h {
                     fits = false;
                     break;
@@ -293,40 +321,43 @@ impl Scheduler {
         }
 
         // FCFS admission; none in a step that had to preempt.
-        while preempted.is_empty() && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        while only.is_none() && !preempted_any && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&h) = self.waiting.front() else { break };
             let req = self.requests.get_mut(&h).expect("waiting request");
             let (target, sample) = req.prefill_target();
             let len = target.min(budget);
-            if !self.pool.grow_to(&mut req.pages, self.pool.pages_for(len)) {
+            if !req.grow_pages(self.pool.pages_for(len)) {
                 break;
             }
-            req.phase = std::mem::replace(&mut req.phase, Phase::Waiting).admit();
-            max_pages = max_pages.max(req.pages.len());
+            req.admit();
+            max_pages = max_pages.max(req.pages().len());
             self.waiting.pop_front();
             self.running.push(h);
             chosen.push((h, EntryKind::Prefill { start: 0, len, sample: sample && len == target }));
             budget -= len;
         }
 
+        if chosen.is_empty() {
+            return Ok(None);
+        }
         let step_id = self.next_step;
         self.next_step += 1;
         // Decoding requests first: the draft pass is then a prefix of the target pass.
         chosen.sort_by_key(|(_, k)| matches!(k, EntryKind::Prefill { .. }));
-        let mut plan = self.build_plan(step_id, &chosen, max_pages);
-        plan.preempted = preempted;
-        self.outstanding = Some(step_id);
-        Ok(plan)
+        let plan = self.build_plan(step_id, &chosen, max_pages);
+        self.outstanding =
+            Some(Outstanding { step_id, entries: plan.entries.clone(), num_sample_rows: plan.num_sample_rows() });
+        Ok(Some((StepTicket::new(self.id, step_id), plan)))
     }
 
-    /// Lays out the arrays and hands each chosen request its ticket for this step.
-    fn build_plan(&mut self, step_id: u64, chosen: &[(u64, EntryKind)], max_pages: usize) -> StepPlan {
+    /// Lays out the arrays of the chosen requests.
+    fn build_plan(&self, step_id: u64, chosen: &[(u64, EntryKind)], max_pages: usize) -> StepPlan {
         let b = self.cfg.block_rows();
         let mask = self.cfg.mask_token_id as i64;
         let mut plan = StepPlan { step_id, block_rows: b, ..Default::default() };
         let num_decode = chosen.iter().filter(|(_, k)| matches!(k, EntryKind::Decode { .. })).count();
         plan.num_decode = num_decode;
-        let bs = self.cfg.block_size;
+        let ps = self.cfg.page_size;
         let rows: usize = chosen
             .iter()
             .map(|(_, k)| match k {
@@ -336,36 +367,35 @@ impl Scheduler {
             .sum();
         plan.sample_rows.reserve(num_decode * b + chosen.len());
         plan.verify_target_rows.reserve(num_decode * b);
+        plan.entries.reserve(chosen.len());
         let t = &mut plan.target;
         for v in [&mut t.input_ids, &mut t.positions, &mut t.slot_mapping] {
             v.reserve(rows);
         }
         t.max_pages = max_pages;
         t.query_start_loc.push(0);
-        t.block_tables.reserve(chosen.len() * max_pages);
+        t.page_tables.reserve(chosen.len() * max_pages);
 
         for (h, kind) in chosen {
-            let req = self.requests.get_mut(h).expect("scheduled");
-            req.ticket = Some(step_id);
-            let req = &*req;
+            let req = &self.requests[h];
+            let (tokens, pages) = (req.tokens(), req.pages().pages());
             let q_start = t.input_ids.len();
             let sample_start = plan.sample_rows.len();
             let seq_len = match *kind {
                 EntryKind::Prefill { start, len, sample } => {
-                    t.input_ids.extend(req.tokens[start..start + len].iter().map(|&x| x as i64));
+                    t.input_ids.extend(tokens[start..start + len].iter().map(|&x| x as i64));
                     t.positions.extend((start..start + len).map(|p| p as i64));
-                    push_slots(&mut t.slot_mapping, req.pages.pages(), bs, start, len);
+                    push_slots(&mut t.slot_mapping, pages, ps, start, len);
                     if sample {
                         plan.sample_rows.push((q_start + len - 1) as i64);
                     }
                     start + len
                 }
                 EntryKind::Decode { committed } => {
-                    let bonus = req.tokens[committed] as i64;
-                    t.input_ids.push(bonus);
+                    t.input_ids.push(tokens[committed] as i64);
                     t.input_ids.extend(std::iter::repeat_n(mask, b - 1));
                     t.positions.extend((committed..committed + b).map(|p| p as i64));
-                    push_slots(&mut t.slot_mapping, req.pages.pages(), bs, committed, b);
+                    push_slots(&mut t.slot_mapping, pages, ps, committed, b);
                     plan.sample_rows.extend((q_start..q_start + b).map(|r| r as i64));
                     plan.verify_target_rows.extend((q_start + 1..q_start + b).map(|r| r as i64));
                     committed + b
@@ -373,32 +403,37 @@ impl Scheduler {
             };
             t.query_start_loc.push(t.input_ids.len() as i32);
             t.seq_lens.push(seq_len as i32);
-            push_table(&mut t.block_tables, req.pages.pages(), max_pages);
-            plan.entries.push(PlanEntry {
-                handle: *h,
-                kind: *kind,
-                q_start,
-                sample_start,
-                num_samples: plan.sample_rows.len() - sample_start,
-            });
+            push_table(&mut t.page_tables, pages, max_pages);
+            let entry =
+                PlanEntry { handle: *h, kind: *kind, q_start, sample_start, num_samples: plan.sample_rows.len() - sample_start };
+            debug_assert_eq!(entry.num_rows(), t.input_ids.len() - q_start);
+            plan.entries.push(entry);
         }
         plan
     }
 
-    /// Drop the outstanding plan without applying it: every request keeps the state it had
-    /// before `schedule()` (KV written by the step is beyond `committed` and is rewritten).
-    pub fn cancel(&mut self, plan: &StepPlan) -> CoreResult<()> {
-        self.check_outstanding(plan)?;
-        self.release_tickets(plan);
-        Ok(())
+    /// Takes the outstanding record if `ticket` is its ticket.
+    fn redeem(&mut self, ticket: &StepTicket) -> CoreResult<Outstanding> {
+        match &self.outstanding {
+            _ if ticket.scheduler() != self.id => {
+                Err(CoreError::StalePlan(format!("the ticket of step {} belongs to another scheduler", ticket.step_id())))
+            }
+            Some(o) if o.step_id == ticket.step_id() => Ok(self.outstanding.take().expect("matched")),
+            _ => Err(CoreError::StalePlan(format!("step {} is not the outstanding step", ticket.step_id()))),
+        }
     }
 
-    /// Finish every still-live request of the outstanding plan with `reason` (a failed step).
-    pub fn fail(&mut self, plan: &StepPlan, reason: FinishReason) -> CoreResult<Vec<u64>> {
-        self.check_outstanding(plan)?;
-        self.release_tickets(plan);
+    /// Drop the outstanding step without applying it: every request keeps the state it had
+    /// before `schedule()` (KV written by the step is beyond `committed` and is rewritten).
+    pub fn cancel(&mut self, ticket: StepTicket) -> CoreResult<()> {
+        self.redeem(&ticket).map(|_| ())
+    }
+
+    /// Finish every still-live request of the outstanding step with `reason` (a failed step).
+    pub fn fail(&mut self, ticket: StepTicket, reason: FinishReason) -> CoreResult<Vec<u64>> {
+        let o = self.redeem(&ticket)?;
         let mut failed = Vec::new();
-        for e in &plan.entries {
+        for e in &o.entries {
             if self.requests.contains_key(&e.handle) {
                 self.remove(e.handle, reason);
                 failed.push(e.handle);
@@ -407,72 +442,62 @@ impl Scheduler {
         Ok(failed)
     }
 
-    fn check_outstanding(&self, plan: &StepPlan) -> CoreResult<()> {
-        match self.outstanding {
-            Some(s) if s == plan.step_id => Ok(()),
-            Some(s) => Err(CoreError::StalePlan(format!(
-                "plan of step {} is not the outstanding plan (step {s})",
-                plan.step_id
-            ))),
-            None => Err(CoreError::StalePlan(format!(
-                "plan of step {} was already applied or cancelled",
-                plan.step_id
-            ))),
+    /// Apply a step's results: `accepted[i]` drafts accepted for entry i of the plan,
+    /// `sampled[j]` the target's token at `sample_rows[j]`. Everything is validated against
+    /// the scheduler's own record before anything changes; on refusal the ticket comes back.
+    /// Requests finished since `schedule()` (aborted) are skipped.
+    pub fn commit(&mut self, ticket: StepTicket, accepted: &[u32], sampled: &[u32]) -> Result<CommitBatch, Refused> {
+        let o = match self.redeem(&ticket) {
+            Ok(o) => o,
+            Err(error) => return Err(Refused { error, ticket }),
+        };
+        if let Err(error) = Self::validate(&o, accepted, sampled) {
+            self.outstanding = Some(o);
+            return Err(Refused { error, ticket });
         }
-    }
-
-    fn release_tickets(&mut self, plan: &StepPlan) {
-        for e in &plan.entries {
-            if let Some(r) = self.requests.get_mut(&e.handle) {
-                r.ticket = None;
+        let n = o.entries.len();
+        let mut out = CommitBatch {
+            handles: Vec::with_capacity(n),
+            offsets: Vec::with_capacity(n + 1),
+            tokens: Vec::with_capacity(sampled.len()),
+            finish: Vec::with_capacity(n),
+        };
+        out.offsets.push(0);
+        for (e, &a) in o.entries.iter().zip(accepted) {
+            let Some(req) = self.requests.get_mut(&e.handle) else { continue };
+            let s = &sampled[e.sample_start..e.sample_start + e.num_samples];
+            let applied = match e.kind {
+                EntryKind::Prefill { start, len, sample } => req.finish_prefill_chunk(start, len, sample.then(|| s[0])),
+                EntryKind::Decode { committed } => req.apply_verify(committed, &s[..a as usize + 1]),
+            };
+            let toks = req.tokens();
+            out.tokens.extend(toks[toks.len() - applied.new_tokens..].iter().map(|&t| t as i64));
+            if let Some(reason) = applied.finish {
+                self.remove(e.handle, reason);
             }
+            out.handles.push(e.handle);
+            out.offsets.push(out.tokens.len() as i64);
+            out.finish.push(applied.finish.map_or(0, FinishReason::code));
         }
-        self.outstanding = None;
+        Ok(out)
     }
 
-    /// Apply a step's results: `accepted[i]` drafts accepted for entry i, `sampled[j]` the
-    /// target's token at `sample_rows[j]`. Validates everything before changing anything.
-    pub fn commit(&mut self, plan: &StepPlan, accepted: &[u32], sampled: &[u32]) -> CoreResult<Vec<CommitOutput>> {
-        let b = self.commit_batch(plan, accepted, sampled)?;
-        Ok((0..b.handles.len())
-            .map(|i| CommitOutput {
-                handle: b.handles[i],
-                new_tokens: b.tokens[b.offsets[i] as usize..b.offsets[i + 1] as usize].iter().map(|&t| t as u32).collect(),
-                finish: FinishReason::from_code(b.finish[i]),
-            })
-            .collect())
-    }
-
-    /// `commit`, returning flat arrays (no per-request allocation).
-    pub fn commit_batch(&mut self, plan: &StepPlan, accepted: &[u32], sampled: &[u32]) -> CoreResult<CommitBatch> {
-        self.check_outstanding(plan)?;
-        if accepted.len() != plan.entries.len() {
+    fn validate(o: &Outstanding, accepted: &[u32], sampled: &[u32]) -> CoreResult<()> {
+        if accepted.len() != o.entries.len() {
             return Err(CoreError::InvalidCommit(format!(
-                "accepted has {} entries, the plan has {} requests",
+                "accepted has {} entries, the step has {} requests",
                 accepted.len(),
-                plan.entries.len()
+                o.entries.len()
             )));
         }
-        if sampled.len() != plan.num_sample_rows() {
+        if sampled.len() != o.num_sample_rows {
             return Err(CoreError::InvalidCommit(format!(
-                "sampled has {} tokens, the plan samples {} rows",
+                "sampled has {} tokens, the step samples {} rows",
                 sampled.len(),
-                plan.num_sample_rows()
+                o.num_sample_rows
             )));
         }
-        for (e, &a) in plan.entries.iter().zip(accepted) {
-            match self.requests.get(&e.handle) {
-                None => {
-                    return Err(CoreError::StalePlan(format!("request {} is no longer live (aborted)", e.handle)))
-                }
-                Some(r) if r.ticket != Some(plan.step_id) => {
-                    return Err(CoreError::StalePlan(format!(
-                        "request {} holds no ticket for step {} (preempted or rescheduled)",
-                        e.handle, plan.step_id
-                    )))
-                }
-                Some(_) => {}
-            }
+        for (e, &a) in o.entries.iter().zip(accepted) {
             if a as usize > e.num_drafts() {
                 return Err(CoreError::InvalidCommit(format!(
                     "request {}: accepted {a} tokens but only {} were proposed",
@@ -481,63 +506,11 @@ impl Scheduler {
                 )));
             }
         }
-
-        // Validated: from here on nothing fails. Each ticket is spent as its entry is applied.
-        self.outstanding = None;
-        let n = plan.entries.len();
-        let mut out = CommitBatch {
-            handles: Vec::with_capacity(n),
-            offsets: Vec::with_capacity(n + 1),
-            tokens: Vec::with_capacity(sampled.len()),
-            finish: Vec::with_capacity(n),
-        };
-        out.offsets.push(0);
-        for (e, &a) in plan.entries.iter().zip(accepted) {
-            let s = &sampled[e.sample_start..e.sample_start + e.num_samples];
-            let req = self.requests.get_mut(&e.handle).expect("validated");
-            req.ticket = None;
-            let first = out.tokens.len();
-            let mut finish = None;
-            match e.kind {
-                EntryKind::Prefill { start, len, sample } => {
-                    let (target, _) = req.prefill_target();
-                    let computed = start + len;
-                    if computed < target {
-                        req.phase = Phase::Prefilling { computed };
-                    } else if sample {
-                        out.tokens.push(s[0] as i64);
-                        finish = req.push_token(s[0]);
-                        req.phase = Phase::Decoding { committed: target, bonus: s[0] };
-                    } else {
-                        req.phase = Phase::Decoding { committed: target, bonus: req.tokens[target] };
-                    }
-                }
-                EntryKind::Decode { committed } => {
-                    // Commits bonus, d_1..d_a; the target's samples t_0..t_a are those tokens'
-                    // successors, so the output grows by t_0..t_a and t_a is the new bonus.
-                    for &tok in &s[..a as usize + 1] {
-                        out.tokens.push(tok as i64);
-                        finish = req.push_token(tok);
-                        if finish.is_some() {
-                            break;
-                        }
-                    }
-                    let committed = committed + (out.tokens.len() - first);
-                    req.phase = Phase::Decoding { committed, bonus: *req.tokens.last().expect("non-empty") };
-                }
-            }
-            if let Some(reason) = finish {
-                self.remove(e.handle, reason);
-            }
-            out.handles.push(e.handle);
-            out.offsets.push(out.tokens.len() as i64);
-            out.finish.push(finish.map_or(0, |f| f.code()));
-        }
-        Ok(out)
+        Ok(())
     }
 
     pub fn outstanding_step(&self) -> Option<u64> {
-        self.outstanding
+        self.outstanding.as_ref().map(|o| o.step_id)
     }
 
     pub fn num_running(&self) -> usize {
@@ -575,9 +548,10 @@ impl Scheduler {
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check_integrity()?;
         let b = self.cfg.block_rows();
+        let in_step: Vec<u64> = self.outstanding.iter().flat_map(|o| o.entries.iter().map(|e| e.handle)).collect();
         let mut owner = vec![0u64; self.pool.num_pages()];
         for (h, r) in &self.requests {
-            for &p in r.pages.pages() {
+            for &p in r.pages().pages() {
                 if p == NULL_PAGE {
                     return Err(format!("request {h} owns the null page"));
                 }
@@ -589,42 +563,44 @@ impl Scheduler {
                     return Err(format!("page {p} has refcount {} but one owner", self.pool.refcount(p)));
                 }
             }
+            if self.ids.get(r.id()) != Some(h) {
+                return Err(format!("request {h} is not registered under its id"));
+            }
             let in_running = self.running.contains(h);
             let in_waiting = self.waiting.contains(h);
-            match &r.phase {
+            let capacity = r.pages().capacity();
+            match r.phase() {
                 Phase::Prefilling { computed } => {
                     if !in_running || in_waiting {
                         return Err(format!("prefilling request {h} not exactly in running"));
                     }
-                    if r.pages.capacity() < *computed {
+                    if capacity < computed {
                         return Err(format!("request {h}: pages do not cover computed {computed}"));
                     }
                 }
-                Phase::Decoding { committed, bonus } => {
+                Phase::Decoding => {
                     if !in_running || in_waiting {
                         return Err(format!("decoding request {h} not exactly in running"));
                     }
-                    if committed + 1 != r.tokens.len() || r.tokens.last() != Some(bonus) {
-                        return Err(format!("request {h}: committed/bonus disagree with its tokens"));
-                    }
-                    let need = if r.ticket.is_some() { committed + b } else { *committed };
-                    if r.pages.capacity() < need {
-                        return Err(format!("request {h}: pages cover {} < {need}", r.pages.capacity()));
+                    let committed = r.num_computed();
+                    let need = if in_step.contains(h) { committed + b } else { committed };
+                    if capacity < need {
+                        return Err(format!("request {h}: pages cover {capacity} < {need}"));
                     }
                 }
                 Phase::Waiting | Phase::Preempted => {
                     if in_running || !in_waiting {
                         return Err(format!("queued request {h} not exactly in waiting"));
                     }
-                    if !r.pages.is_empty() || r.ticket.is_some() {
-                        return Err(format!("queued request {h} holds pages or a ticket"));
+                    if !r.pages().is_empty() || in_step.contains(h) {
+                        return Err(format!("queued request {h} holds pages or is in the outstanding step"));
                     }
                 }
                 Phase::Finished(_) => return Err(format!("finished request {h} still live")),
             }
-            if r.ticket.is_some() && r.ticket != self.outstanding {
-                return Err(format!("request {h} holds a ticket of a plan that is not outstanding"));
-            }
+        }
+        if self.ids.len() != self.requests.len() {
+            return Err("the id registry and the live requests differ".into());
         }
         let owned = owner.iter().filter(|&&o| o != 0).count();
         if owned + self.pool.num_free() != self.pool.num_usable() {
@@ -638,12 +614,12 @@ impl Scheduler {
 }
 
 /// Slots of positions `start .. start+len`, walking pages instead of dividing per row.
-fn push_slots(dst: &mut Vec<i64>, pages: &[u32], bs: usize, start: usize, len: usize) {
-    let (mut page, mut off) = (start / bs, start % bs);
+fn push_slots(dst: &mut Vec<i64>, pages: &[u32], ps: usize, start: usize, len: usize) {
+    let (mut page, mut off) = (start / ps, start % ps);
     for _ in 0..len {
-        dst.push(pages[page] as i64 * bs as i64 + off as i64);
+        dst.push(pages[page] as i64 * ps as i64 + off as i64);
         off += 1;
-        if off == bs {
+        if off == ps {
             off = 0;
             page += 1;
         }

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use _core::{CoreError, EntryKind, FinishReason, Phase, Scheduler, SchedulerConfig};
+use _core::{pages_per_seq, CoreError, EntryKind, FinishReason, Phase, Scheduler, SchedulerConfig, StepPlan, StepTicket};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -43,6 +43,7 @@ impl Rng {
 /// The reference model: what each live request's known tokens must be.
 #[derive(Debug, Clone)]
 struct Model {
+    id: String,
     tokens: Vec<u32>,
     prompt_len: usize,
     max_tokens: usize,
@@ -64,7 +65,8 @@ impl Harness {
         assert_eq!(self.s.num_live(), self.model.len());
         for (h, m) in &self.model {
             let r = self.s.request(*h).expect("model request live in scheduler");
-            assert_eq!(r.tokens, m.tokens, "request {h} tokens diverged from the model");
+            assert_eq!(self.s.handle_of(&m.id), Some(*h), "one registry: id -> handle");
+            assert_eq!(r.tokens(), &m.tokens[..], "request {h} tokens diverged from the model");
         }
     }
 
@@ -75,43 +77,58 @@ impl Harness {
         let stop_ids = if stop { vec![STOP] } else { vec![] };
         match self.s.add_request(&id, prompt.clone(), max_tokens, stop_ids.clone()) {
             Ok(h) => {
-                self.model.insert(h, Model { tokens: prompt, prompt_len, max_tokens, stop: stop_ids });
+                self.model.insert(h, Model { id: id.clone(), tokens: prompt, prompt_len, max_tokens, stop: stop_ids });
             }
             Err(CoreError::Rejected { .. }) => {
                 let cfg = self.s.config();
                 let too_long = prompt_len + max_tokens > cfg.max_model_len;
-                let too_big = (prompt_len + max_tokens + self.b).div_ceil(cfg.block_size) > cfg.num_pages - 1;
+                let too_big = (prompt_len + max_tokens + self.b).div_ceil(cfg.page_size) > cfg.num_pages - 1;
+                assert_eq!(too_big, pages_per_seq(prompt_len + max_tokens, self.b, cfg.page_size) > cfg.num_pages - 1);
                 assert!(too_long || too_big, "rejected a request that fits");
             }
             Err(e) => panic!("unexpected {e}"),
         }
     }
 
-    /// Schedule and produce random results. Returns the plan and the results.
-    fn plan(&mut self, seed: u64) -> (_core::StepPlan, Vec<u32>, Vec<u32>) {
-        let before: HashMap<u64, Phase> =
-            self.model.keys().map(|h| (*h, self.s.request(*h).unwrap().phase.clone())).collect();
-        let plan = self.s.schedule().unwrap();
+    /// (phase, committed) of a live request: the committed count as the model defines it.
+    fn state(&self, h: u64) -> (Phase, usize) {
+        let r = self.s.request(h).unwrap();
+        (r.phase(), r.num_computed())
+    }
+
+    /// Schedule and produce random results. `None` when there is nothing to run.
+    fn plan(&mut self, seed: u64) -> Option<(StepTicket, StepPlan, Vec<u32>, Vec<u32>)> {
+        let before: HashMap<u64, (Phase, usize)> = self.model.keys().map(|h| (*h, self.state(*h))).collect();
+        let Some((ticket, plan)) = self.s.schedule().unwrap() else {
+            assert_eq!(self.s.num_running(), 0, "nothing scheduled while requests run");
+            self.check();
+            return None;
+        };
         self.check();
         for e in &plan.entries {
             if let EntryKind::Decode { committed } = e.kind {
-                assert!(self.s.request(e.handle).unwrap().pages.capacity() >= committed + self.b);
-                assert!(matches!(before[&e.handle], Phase::Decoding { committed: c, .. } if c == committed));
+                assert!(self.s.request(e.handle).unwrap().pages().capacity() >= committed + self.b);
+                assert_eq!(before[&e.handle], (Phase::Decoding, committed));
             }
         }
         let mut rng = Rng(seed);
         let accepted: Vec<u32> = plan.entries.iter().map(|e| rng.below(e.num_drafts() as u64 + 1) as u32).collect();
         let sampled: Vec<u32> = plan.sample_rows.iter().map(|_| 3 + rng.below(40) as u32).collect();
-        (plan, accepted, sampled)
+        Some((ticket, plan, accepted, sampled))
     }
 
-    fn commit(&mut self, plan: &_core::StepPlan, accepted: &[u32], sampled: &[u32]) {
-        let before: HashMap<u64, Phase> =
-            plan.entries.iter().map(|e| (e.handle, self.s.request(e.handle).unwrap().phase.clone())).collect();
-        let out = self.s.commit(plan, accepted, sampled).unwrap();
-        assert!(matches!(self.s.commit(plan, accepted, sampled), Err(CoreError::StalePlan(_))));
-        for (o, (e, &a)) in out.iter().zip(plan.entries.iter().zip(accepted)) {
-            let m = self.model.get_mut(&o.handle).unwrap();
+    fn commit(&mut self, ticket: StepTicket, plan: &StepPlan, accepted: &[u32], sampled: &[u32]) {
+        let before: HashMap<u64, (Phase, usize)> =
+            plan.entries.iter().filter(|e| self.model.contains_key(&e.handle)).map(|e| (e.handle, self.state(e.handle))).collect();
+        let out = self.s.commit(ticket, accepted, sampled).map_err(|r| r.error).unwrap();
+        let live: Vec<_> = plan.entries.iter().zip(accepted).filter(|(e, _)| before.contains_key(&e.handle)).collect();
+        assert_eq!(out.handles.len(), live.len(), "one result per still-live planned request");
+        for (i, (e, &a)) in live.into_iter().enumerate() {
+            let h = out.handles[i];
+            assert_eq!(h, e.handle);
+            let new_tokens: Vec<u32> =
+                out.tokens[out.offsets[i] as usize..out.offsets[i + 1] as usize].iter().map(|&t| t as u32).collect();
+            let m = self.model.get_mut(&h).unwrap();
             let s = &sampled[e.sample_start..e.sample_start + e.num_samples];
             let offered: Vec<u32> = match e.kind {
                 EntryKind::Prefill { sample: true, .. } => vec![s[0]],
@@ -132,17 +149,16 @@ impl Harness {
                     break;
                 }
             }
-            assert_eq!(o.new_tokens, expect);
-            assert_eq!(o.finish, finish);
+            assert_eq!(new_tokens, expect);
+            assert_eq!(FinishReason::from_code(out.finish[i]), finish);
             if finish.is_some() {
-                self.model.remove(&o.handle);
+                let m = self.model.remove(&h).unwrap();
+                assert!(self.s.request(h).is_none() && self.s.handle_of(&m.id).is_none());
                 continue;
             }
             // Committed grows by exactly accepted + 1 per verify step.
-            if let (Phase::Decoding { committed: c0, .. }, Phase::Decoding { committed: c1, .. }) =
-                (&before[&o.handle], &self.s.request(o.handle).unwrap().phase)
-            {
-                assert_eq!(*c1, c0 + a as usize + 1);
+            if let ((Phase::Decoding, c0), (Phase::Decoding, c1)) = (before[&h], self.state(h)) {
+                assert_eq!(c1, c0 + a as usize + 1);
             }
         }
         self.check();
@@ -163,7 +179,7 @@ impl Harness {
 fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize) {
     let cfg = SchedulerConfig {
         num_pages,
-        block_size: 4,
+        page_size: 4,
         max_num_seqs: 6,
         max_num_batched_tokens: budget,
         max_model_len: 64,
@@ -175,32 +191,36 @@ fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize) {
         match op {
             Op::Add { prompt_len, max_tokens, stop } => h.add(prompt_len, max_tokens, stop),
             Op::Step { seed } => {
-                let (p, a, s) = h.plan(seed);
-                h.commit(&p, &a, &s);
+                if let Some((t, p, a, s)) = h.plan(seed) {
+                    h.commit(t, &p, &a, &s);
+                }
             }
             Op::Abort { pick } => h.abort(pick),
             Op::StepThenAbortBeforeCommit { seed, pick } => {
-                let (p, a, s) = h.plan(seed);
-                if p.is_empty() {
-                    h.commit(&p, &a, &s);
-                    continue;
-                }
+                let Some((t, p, a, s)) = h.plan(seed) else { continue };
+                // An abort between schedule and commit: the others still commit.
                 let victim = p.entries[pick % p.entries.len()].handle;
                 h.s.finish(victim, FinishReason::Abort).unwrap();
                 h.model.remove(&victim);
-                let snapshot: Vec<(u64, Vec<u32>)> =
-                    h.model.keys().map(|k| (*k, h.s.request(*k).unwrap().tokens.clone())).collect();
-                assert!(matches!(h.s.commit(&p, &a, &s), Err(CoreError::StalePlan(_))));
-                for (k, toks) in snapshot {
-                    assert_eq!(h.s.request(k).unwrap().tokens, toks, "a failed commit changed state");
-                }
-                h.s.cancel(&p).unwrap();
                 h.check();
+                // A refused commit changes nothing and returns the ticket.
+                let snapshot: Vec<(u64, Vec<u32>)> =
+                    h.model.keys().map(|k| (*k, h.s.request(*k).unwrap().tokens().to_vec())).collect();
+                let mut too_many = a.clone();
+                too_many[0] = p.entries[0].num_drafts() as u32 + 1;
+                let refused = h.s.commit(t, &too_many, &s).unwrap_err();
+                assert!(matches!(refused.error, CoreError::InvalidCommit(_)));
+                for (k, toks) in snapshot {
+                    assert_eq!(h.s.request(k).unwrap().tokens(), &toks[..], "a refused commit changed state");
+                }
+                h.commit(refused.ticket, &p, &a, &s);
             }
             Op::StepThenCancel { seed } => {
-                let (p, _, _) = h.plan(seed);
-                h.s.cancel(&p).unwrap();
-                h.check();
+                if let Some((t, _, _, _)) = h.plan(seed) {
+                    h.s.cancel(t).unwrap();
+                    assert_eq!(h.s.outstanding_step(), None);
+                    h.check();
+                }
             }
         }
     }
@@ -209,8 +229,9 @@ fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize) {
         if h.s.num_live() == 0 {
             break;
         }
-        let (p, a, s) = h.plan(i);
-        h.commit(&p, &a, &s);
+        if let Some((t, p, a, s)) = h.plan(i) {
+            h.commit(t, &p, &a, &s);
+        }
     }
     assert_eq!(h.s.num_live(), 0, "requests left after draining");
     assert_eq!(h.s.num_free_pages(), num_pages - 1, "pool not full after all requests finished");

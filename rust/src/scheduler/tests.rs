@@ -3,7 +3,7 @@ use super::*;
 fn cfg(num_pages: usize, k: usize) -> SchedulerConfig {
     SchedulerConfig {
         num_pages,
-        block_size: 4,
+        page_size: 4,
         max_num_seqs: 8,
         max_num_batched_tokens: 64,
         max_model_len: 128,
@@ -16,21 +16,43 @@ fn sched(num_pages: usize, k: usize) -> Scheduler {
     Scheduler::new(cfg(num_pages, k)).unwrap()
 }
 
+/// One scheduled step (panics when there is nothing to run).
+fn step(s: &mut Scheduler) -> (StepTicket, StepPlan) {
+    s.schedule().unwrap().expect("a step to run")
+}
+
+/// (handle, new tokens, finish) per committed request.
+type Out = Vec<(u64, Vec<u32>, Option<FinishReason>)>;
+
+fn commit(s: &mut Scheduler, t: StepTicket, accepted: &[u32], sampled: &[u32]) -> Out {
+    let b = s.commit(t, accepted, sampled).map_err(|r| r.error).unwrap();
+    (0..b.handles.len())
+        .map(|i| {
+            let toks = b.tokens[b.offsets[i] as usize..b.offsets[i + 1] as usize].iter().map(|&t| t as u32).collect();
+            (b.handles[i], toks, FinishReason::from_code(b.finish[i]))
+        })
+        .collect()
+}
+
+fn decoding_at(s: &Scheduler, h: u64) -> (Phase, usize, u32) {
+    let r = s.request(h).unwrap();
+    (r.phase(), r.num_computed(), *r.tokens().last().unwrap())
+}
+
 #[test]
 fn prefill_then_speculative_decode_layout() {
     let mut s = sched(32, 3);
     let h = s.add_request("a", vec![1, 2, 3, 4, 5], 20, vec![]).unwrap();
-    let p = s.schedule().unwrap();
+    let (t, p) = step(&mut s);
     assert_eq!(p.target.input_ids, vec![1, 2, 3, 4, 5]);
     assert_eq!(p.target.positions, vec![0, 1, 2, 3, 4]);
     assert_eq!(p.sample_rows, vec![4]);
     assert_eq!(p.num_draft_rows(), 0);
-    assert_eq!(p.context_rows(&[0]).unwrap(), vec![0, 1, 2, 3, 4]);
-    let out = s.commit(&p, &[0], &[7]).unwrap();
-    assert_eq!(out[0].new_tokens, vec![7]);
-    assert_eq!(s.request(h).unwrap().phase, Phase::Decoding { committed: 5, bonus: 7 });
+    let out = commit(&mut s, t, &[0], &[7]);
+    assert_eq!(out[0].1, vec![7]);
+    assert_eq!(decoding_at(&s, h), (Phase::Decoding, 5, 7));
 
-    let p = s.schedule().unwrap();
+    let (t, p) = step(&mut s);
     // Verify block [bonus, MASK x3] at positions 5..8; the draft pass is the same rows.
     assert_eq!(p.target.input_ids, vec![7, 999, 999, 999]);
     assert_eq!(p.target.positions, vec![5, 6, 7, 8]);
@@ -39,12 +61,12 @@ fn prefill_then_speculative_decode_layout() {
     assert_eq!(p.target.seq_lens, vec![9]);
     assert_eq!(p.sample_rows, vec![0, 1, 2, 3]);
     assert_eq!(p.verify_target_rows, vec![1, 2, 3]);
+    assert_eq!(p.entries[0].num_rows(), 4);
     // Pages for committed + B = 9 positions exist before drafting.
-    assert!(s.request(h).unwrap().pages.capacity() >= 9);
-    assert_eq!(p.context_rows(&[2]).unwrap(), vec![0, 1, 2]);
-    let out = s.commit(&p, &[2], &[8, 9, 10, 11]).unwrap();
-    assert_eq!(out[0].new_tokens, vec![8, 9, 10]);
-    assert_eq!(s.request(h).unwrap().phase, Phase::Decoding { committed: 8, bonus: 10 });
+    assert!(s.request(h).unwrap().pages().capacity() >= 9);
+    let out = commit(&mut s, t, &[2], &[8, 9, 10, 11]);
+    assert_eq!(out[0].1, vec![8, 9, 10]);
+    assert_eq!(decoding_at(&s, h), (Phase::Decoding, 8, 10));
     s.check_invariants().unwrap();
 }
 
@@ -55,12 +77,12 @@ fn chunked_prefill_respects_the_token_budget() {
     let mut s = Scheduler::new(c).unwrap();
     let h = s.add_request("a", (1..=10).collect(), 3, vec![]).unwrap();
     for (start, len) in [(0, 4), (4, 4), (8, 2)] {
-        let p = s.schedule().unwrap();
+        let (t, p) = step(&mut s);
         assert_eq!(p.entries[0].kind, EntryKind::Prefill { start, len, sample: start + len == 10 });
         let sampled: Vec<u32> = p.sample_rows.iter().map(|_| 42).collect();
-        s.commit(&p, &[0], &sampled).unwrap();
+        commit(&mut s, t, &[0], &sampled);
     }
-    assert_eq!(s.request(h).unwrap().phase, Phase::Decoding { committed: 10, bonus: 42 });
+    assert_eq!(decoding_at(&s, h), (Phase::Decoding, 10, 42));
 }
 
 #[test]
@@ -68,13 +90,13 @@ fn stop_token_and_max_tokens_cut_the_block() {
     let mut s = sched(32, 3);
     let a = s.add_request("a", vec![1, 2], 10, vec![50]).unwrap();
     let b = s.add_request("b", vec![1, 2], 3, vec![]).unwrap();
-    let p = s.schedule().unwrap();
-    s.commit(&p, &[0, 0], &[5, 5]).unwrap();
-    let p = s.schedule().unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0, 0], &[5, 5]);
+    let (t, _) = step(&mut s);
     // a: t1 is the stop token; b: only 2 more tokens allowed.
-    let out = s.commit(&p, &[3, 3], &[6, 50, 7, 8, 6, 7, 8, 9]).unwrap();
-    assert_eq!(out[0], CommitOutput { handle: a, new_tokens: vec![6, 50], finish: Some(FinishReason::Stop) });
-    assert_eq!(out[1], CommitOutput { handle: b, new_tokens: vec![6, 7], finish: Some(FinishReason::Length) });
+    let out = commit(&mut s, t, &[3, 3], &[6, 50, 7, 8, 6, 7, 8, 9]);
+    assert_eq!(out[0], (a, vec![6, 50], Some(FinishReason::Stop)));
+    assert_eq!(out[1], (b, vec![6, 7], Some(FinishReason::Length)));
     assert_eq!(s.num_live(), 0);
     assert_eq!(s.num_free_pages(), 31);
 }
@@ -84,31 +106,99 @@ fn misuse_returns_errors_and_changes_nothing() {
     let mut s = sched(32, 3);
     let h = s.add_request("a", vec![1, 2], 10, vec![]).unwrap();
     assert!(matches!(s.add_request("a", vec![1], 1, vec![]), Err(CoreError::DuplicateRequest(_))));
-    let p = s.schedule().unwrap();
+    let (t, _) = step(&mut s);
     assert!(matches!(s.schedule(), Err(CoreError::PlanOutstanding { .. })));
-    assert!(matches!(s.commit(&p, &[1], &[3]), Err(CoreError::InvalidCommit(_))), "prefill proposes 0");
-    assert!(matches!(s.commit(&p, &[0], &[]), Err(CoreError::InvalidCommit(_))));
-    s.commit(&p, &[0], &[3]).unwrap();
-    assert!(matches!(s.commit(&p, &[0], &[3]), Err(CoreError::StalePlan(_))), "applied twice");
-    let p = s.schedule().unwrap();
-    let before = s.request(h).unwrap().tokens.clone();
-    assert!(matches!(s.commit(&p, &[4], &[1, 2, 3, 4]), Err(CoreError::InvalidCommit(_))), "4 > 3 drafts");
-    assert_eq!(s.request(h).unwrap().tokens, before);
-    s.finish(h, FinishReason::Abort).unwrap();
-    assert!(matches!(s.commit(&p, &[0], &[1, 2, 3, 4]), Err(CoreError::StalePlan(_))), "after abort");
-    s.cancel(&p).unwrap();
-    assert_eq!(s.num_free_pages(), 31);
+    let r = s.commit(t, &[1], &[3]).unwrap_err();
+    assert!(matches!(r.error, CoreError::InvalidCommit(_)), "prefill proposes 0");
+    let r = s.commit(r.ticket, &[0], &[]).unwrap_err();
+    assert!(matches!(r.error, CoreError::InvalidCommit(_)));
+    commit(&mut s, r.ticket, &[0], &[3]);
+    let (t, _) = step(&mut s);
+    let before = s.request(h).unwrap().tokens().to_vec();
+    let r = s.commit(t, &[4], &[1, 2, 3, 4]).unwrap_err();
+    assert!(matches!(r.error, CoreError::InvalidCommit(_)), "4 > 3 drafts");
+    assert_eq!(s.request(h).unwrap().tokens(), &before[..]);
+    s.cancel(r.ticket).unwrap();
+    assert_eq!(s.outstanding_step(), None);
+    s.check_invariants().unwrap();
+}
+
+// ---- forging: the plan is information, the ticket is the only authority --------------
+
+#[test]
+fn editing_the_plan_cannot_change_what_commit_applies() {
+    let mut s = sched(32, 3);
+    let h = s.add_request("a", vec![1, 2, 3, 4], 20, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[5]);
+    let (t, mut p) = step(&mut s);
+    // A caller rewrites its copy: pretend the verify block sits at 1 and proposes 10 drafts.
+    p.entries[0].kind = EntryKind::Decode { committed: 1 };
+    p.entries[0].num_samples = 11;
+    p.sample_rows.truncate(1);
+    let r = s.commit(t, &[10], &[9; 11]).unwrap_err();
+    assert!(matches!(r.error, CoreError::InvalidCommit(_)), "the core's record has 4 rows, 3 drafts");
+    let out = commit(&mut s, r.ticket, &[1], &[6, 7, 8, 9]);
+    assert_eq!(out[0].1, vec![6, 7]);
+    assert_eq!(decoding_at(&s, h), (Phase::Decoding, 6, 7));
+    assert_eq!(s.request(h).unwrap().tokens(), &[1, 2, 3, 4, 5, 6, 7]);
     s.check_invariants().unwrap();
 }
 
 #[test]
-fn admission_rejects_what_can_never_fit() {
+fn a_ticket_of_another_scheduler_is_refused() {
+    let mut s1 = sched(32, 3);
+    let mut s2 = sched(32, 3);
+    s1.add_request("a", vec![1, 2], 10, vec![]).unwrap();
+    s2.add_request("a", vec![1, 2], 10, vec![]).unwrap();
+    let (t1, _) = step(&mut s1);
+    let (t2, _) = step(&mut s2);
+    assert_eq!(t1.step_id(), t2.step_id(), "same step number in both");
+    let r = s2.commit(t1, &[0], &[3]).unwrap_err();
+    assert!(matches!(r.error, CoreError::StalePlan(_)));
+    assert!(matches!(s2.cancel(r.ticket), Err(CoreError::StalePlan(_))));
+    assert_eq!(s2.outstanding_step(), Some(t2.step_id()), "nothing changed in s2");
+    commit(&mut s2, t2, &[0], &[3]);
+}
+
+#[test]
+fn a_request_aborted_mid_step_is_skipped_and_the_others_commit() {
+    let mut s = sched(32, 3);
+    let a = s.add_request("a", vec![1, 2], 10, vec![]).unwrap();
+    let b = s.add_request("b", vec![1, 2], 10, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    s.finish(a, FinishReason::Abort).unwrap();
+    let out = commit(&mut s, t, &[0, 0], &[3, 4]);
+    assert_eq!(out, vec![(b, vec![4], None)]);
+    assert!(s.request(a).is_none() && s.handle_of("a").is_none());
+    assert_eq!(s.num_free_pages(), 31 - s.request(b).unwrap().pages().len());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn an_empty_step_needs_no_commit() {
+    let mut s = sched(32, 3);
+    assert!(s.schedule().unwrap().is_none());
+    assert_eq!(s.outstanding_step(), None);
+    s.add_request("a", vec![1, 2], 10, vec![]).unwrap();
+    assert!(s.schedule().unwrap().is_some());
+}
+
+#[test]
+fn admission_rejects_what_can_never_fit_naming_the_parameter() {
     let mut s = sched(4, 3); // 3 usable pages of 4 = 12 slots
-    assert!(matches!(s.add_request("e", vec![], 4, vec![]), Err(CoreError::Rejected { .. })));
-    assert!(matches!(s.add_request("long", vec![1; 100], 40, vec![]), Err(CoreError::Rejected { .. })));
+    let param = |r: CoreResult<u64>| match r {
+        Err(CoreError::Rejected { param, .. }) => param,
+        other => panic!("expected a rejection, got {other:?}"),
+    };
+    assert_eq!(param(s.add_request("e", vec![], 4, vec![])), Param::Prompt);
+    assert_eq!(param(s.add_request("long", vec![1; 200], 40, vec![])), Param::Prompt);
+    assert_eq!(param(s.add_request("long", vec![1; 100], 40, vec![])), Param::MaxTokens);
+    assert_eq!(param(s.add_request("zero", vec![1], 0, vec![])), Param::MaxTokens);
     // 6 + 4 + B(4) = 14 slots > 12
-    assert!(matches!(s.add_request("pages", vec![1; 6], 4, vec![]), Err(CoreError::Rejected { .. })));
+    assert_eq!(param(s.add_request("pages", vec![1; 6], 4, vec![])), Param::Prompt);
     s.add_request("ok", vec![1; 4], 4, vec![]).unwrap();
+    assert_eq!(pages_per_seq(8, 4, 4), 3);
 }
 
 #[test]
@@ -116,35 +206,31 @@ fn preemption_evicts_the_newest_and_resumes_without_resampling() {
     let mut s = sched(5, 0); // 4 usable pages of 4 slots
     let a = s.add_request("a", vec![1; 4], 8, vec![]).unwrap();
     let b = s.add_request("b", vec![2; 4], 8, vec![]).unwrap();
-    let p = s.schedule().unwrap();
-    s.commit(&p, &[0, 0], &[10, 20]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0, 0], &[10, 20]);
     // Each decode step needs committed+1 slots: both grow into a second page; the pool has 4.
     for _ in 0..4 {
-        let p = s.schedule().unwrap();
+        let (t, p) = step(&mut s);
         let sampled: Vec<u32> = p.sample_rows.iter().map(|_| 11).collect();
-        let acc = vec![0; p.entries.len()];
-        s.commit(&p, &acc, &sampled).unwrap();
+        commit(&mut s, t, &vec![0; p.entries.len()], &sampled);
         s.check_invariants().unwrap();
     }
     // a: committed 8 (needs 3 pages next), b: committed 8 -> a's growth evicts b.
-    let p = s.schedule().unwrap();
-    assert_eq!(p.preempted, vec![b]);
-    assert_eq!(s.request(b).unwrap().phase, Phase::Preempted);
-    let acc = vec![0; p.entries.len()];
+    let (t, p) = step(&mut s);
+    assert_eq!(s.num_preemptions(), 1);
+    assert_eq!(p.entries.iter().map(|e| e.handle).collect::<Vec<_>>(), vec![a]);
+    assert_eq!(s.request(b).unwrap().phase(), Phase::Preempted);
     let sampled: Vec<u32> = p.sample_rows.iter().map(|_| 12).collect();
-    s.commit(&p, &acc, &sampled).unwrap();
+    commit(&mut s, t, &vec![0; p.entries.len()], &sampled);
     s.finish(a, FinishReason::Abort).unwrap();
     // b resumes: recompute all tokens but the bonus, sample nothing, keep the bonus.
-    let tokens_b = s.request(b).unwrap().tokens.clone();
-    let p = s.schedule().unwrap();
+    let tokens_b = s.request(b).unwrap().tokens().to_vec();
+    let (t, p) = step(&mut s);
     assert_eq!(p.entries[0].kind, EntryKind::Prefill { start: 0, len: tokens_b.len() - 1, sample: false });
     assert!(p.sample_rows.is_empty());
-    let out = s.commit(&p, &[0], &[]).unwrap();
-    assert!(out[0].new_tokens.is_empty());
-    assert_eq!(
-        s.request(b).unwrap().phase,
-        Phase::Decoding { committed: tokens_b.len() - 1, bonus: *tokens_b.last().unwrap() }
-    );
+    let out = commit(&mut s, t, &[0], &[]);
+    assert!(out[0].1.is_empty());
+    assert_eq!(decoding_at(&s, b), (Phase::Decoding, tokens_b.len() - 1, *tokens_b.last().unwrap()));
     assert_eq!(s.num_preemptions(), 1);
     s.check_invariants().unwrap();
 }
@@ -157,7 +243,7 @@ fn max_num_seqs_caps_running() {
     for i in 0..4 {
         s.add_request(&format!("r{i}"), vec![1, 2, 3], 5, vec![]).unwrap();
     }
-    let p = s.schedule().unwrap();
+    let (_, p) = step(&mut s);
     assert_eq!(p.entries.len(), 2);
     assert_eq!(s.num_waiting(), 2);
 }
@@ -167,11 +253,11 @@ fn failed_step_finishes_its_requests_and_frees_pages() {
     let mut s = sched(32, 2);
     s.add_request("a", vec![1, 2, 3], 5, vec![]).unwrap();
     s.add_request("b", vec![1, 2, 3], 5, vec![]).unwrap();
-    let p = s.schedule().unwrap();
-    let failed = s.fail(&p, FinishReason::Error).unwrap();
+    let (t, _) = step(&mut s);
+    let failed = s.fail(t, FinishReason::Error).unwrap();
     assert_eq!(failed.len(), 2);
     assert_eq!(s.num_free_pages(), 31);
-    assert!(s.schedule().unwrap().is_empty());
+    assert!(s.schedule().unwrap().is_none());
 }
 
 #[test]
@@ -185,18 +271,35 @@ fn config_is_validated() {
 fn decoding_requests_lead_the_plan_so_the_draft_pass_is_a_prefix() {
     let mut s = sched(64, 3);
     let a = s.add_request("a", vec![1, 2, 3], 10, vec![]).unwrap();
-    let p = s.schedule().unwrap();
-    s.commit(&p, &[0], &[5]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[5]);
     let b = s.add_request("b", vec![4, 5, 6, 7, 8], 10, vec![]).unwrap();
-    let p = s.schedule().unwrap();
+    let (t, p) = step(&mut s);
     assert_eq!(p.entries.iter().map(|e| e.handle).collect::<Vec<_>>(), vec![a, b]);
     let c = s.add_request("c", vec![9; 6], 10, vec![]).unwrap();
-    s.commit(&p, &[1, 0], &[6, 7, 8, 9, 10]).unwrap();
+    commit(&mut s, t, &[1, 0], &[6, 7, 8, 9, 10]);
     // Running order is a, b, then c is admitted; b and a decode, c prefills.
-    let p = s.schedule().unwrap();
+    let (_, p) = step(&mut s);
     assert_eq!(p.num_decode, 2);
     assert!(matches!(p.entries[2].kind, EntryKind::Prefill { .. }) && p.entries[2].handle == c);
     assert_eq!(p.num_draft_rows(), 8);
     assert_eq!(&p.target.input_ids[..8], &[7, 999, 999, 999, 10, 999, 999, 999]);
     assert_eq!(p.verify_target_rows, vec![1, 2, 3, 5, 6, 7]);
+}
+
+#[test]
+fn schedule_only_plans_one_running_request_and_admits_nobody() {
+    let mut s = sched(64, 3);
+    let a = s.add_request("a", vec![1, 2, 3], 10, vec![]).unwrap();
+    let b = s.add_request("b", vec![4, 5], 10, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0, 0], &[7, 8]);
+    let c = s.add_request("c", vec![6], 10, vec![]).unwrap();
+    let (t, p) = s.schedule_only(b).unwrap().unwrap();
+    assert_eq!(p.entries.iter().map(|e| e.handle).collect::<Vec<_>>(), vec![b]);
+    assert_eq!(p.target.input_ids, vec![8, 999, 999, 999]);
+    commit(&mut s, t, &[0], &[1, 1, 1, 1]);
+    assert!(s.schedule_only(c).unwrap().is_none(), "a waiting request is not admitted");
+    assert_eq!(s.request(a).unwrap().num_computed(), 3, "a did not run");
+    s.check_invariants().unwrap();
 }

@@ -1,11 +1,11 @@
-//! The page pool: a fixed number of pages of `block_size` token slots.
+//! The page pool: a fixed number of KV pages of `page_size` token slots each.
 //!
 //! ```text
 //!   page 0          pages 1 .. num_pages-1
 //!   [null page]     [ owned by PageLists (refcount >= 1) | free list (refcount == 0) ]
 //! ```
 //! Invariants (checked by `check_integrity` and the property tests):
-//! - page 0 is never handed out; padded block-table entries point at it;
+//! - page 0 is never handed out; padded page-table entries point at it;
 //! - a page is on the free list iff its refcount is 0; no page is on the list twice;
 //! - `num_free() + pages with refcount > 0 == num_pages - 1`.
 //!
@@ -29,21 +29,21 @@ struct PoolState {
 
 /// Shared handle to the pool. Cloning shares the same pages.
 #[derive(Debug, Clone)]
-pub struct BlockPool {
-    block_size: usize,
+pub struct PagePool {
+    page_size: usize,
     num_pages: usize,
     state: Arc<Mutex<PoolState>>,
 }
 
-impl BlockPool {
+impl PagePool {
     /// `num_pages` includes the null page, so `num_pages - 1` pages are usable.
-    pub fn new(num_pages: usize, block_size: usize) -> Self {
+    pub fn new(num_pages: usize, page_size: usize) -> Self {
         assert!(num_pages >= 2, "a pool needs the null page and at least one usable page");
-        assert!(block_size >= 1, "block_size must be >= 1");
+        assert!(page_size >= 1, "page_size must be >= 1");
         assert!(num_pages <= u32::MAX as usize, "too many pages");
         let free = (1..num_pages as PageId).collect();
         let state = PoolState { refcount: vec![0; num_pages], free };
-        BlockPool { block_size, num_pages, state: Arc::new(Mutex::new(state)) }
+        PagePool { page_size, num_pages, state: Arc::new(Mutex::new(state)) }
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
@@ -52,8 +52,8 @@ impl BlockPool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn block_size(&self) -> usize {
-        self.block_size
+    pub fn page_size(&self) -> usize {
+        self.page_size
     }
 
     /// Pages including the null page.
@@ -71,7 +71,7 @@ impl BlockPool {
 
     /// Pages needed to hold `tokens` token slots.
     pub fn pages_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
+        tokens.div_ceil(self.page_size)
     }
 
     pub fn refcount(&self, page: PageId) -> u32 {
@@ -86,21 +86,7 @@ impl BlockPool {
     /// Grow `list` to at least `n` pages. All or nothing: on shortage nothing changes.
     pub fn grow_to(&self, list: &mut PageList, n: usize) -> bool {
         debug_assert!(Arc::ptr_eq(&self.state, &list.pool.state));
-        if list.pages.len() >= n {
-            return true;
-        }
-        let want = n - list.pages.len();
-        let mut st = self.lock();
-        if st.free.len() < want {
-            return false;
-        }
-        for _ in 0..want {
-            let page = st.free.pop_front().expect("checked length");
-            debug_assert_eq!(st.refcount[page as usize], 0);
-            st.refcount[page as usize] = 1;
-            list.pages.push(page);
-        }
-        true
+        list.grow_to(n)
     }
 
     /// A second owner of the same pages (copy-on-write sharing for prefix caching or forks).
@@ -157,10 +143,10 @@ impl BlockPool {
     }
 }
 
-/// Pages owned by one holder (a request's block table). Dropping it returns the pages.
+/// Pages owned by one holder (a request's page table). Dropping it returns the pages.
 #[derive(Debug)]
 pub struct PageList {
-    pool: BlockPool,
+    pool: PagePool,
     pages: Vec<PageId>,
 }
 
@@ -179,13 +165,32 @@ impl PageList {
 
     /// Token slots covered.
     pub fn capacity(&self) -> usize {
-        self.pages.len() * self.pool.block_size
+        self.pages.len() * self.pool.page_size
     }
 
-    /// Flat slot index of token position `pos` (page * block_size + offset).
+    /// Flat slot index of token position `pos` (page * page_size + offset).
     pub fn slot(&self, pos: usize) -> i64 {
-        let bs = self.pool.block_size;
+        let bs = self.pool.page_size;
         (self.pages[pos / bs] as i64) * bs as i64 + (pos % bs) as i64
+    }
+
+    /// Grow to at least `n` pages from this list's pool. All or nothing.
+    pub fn grow_to(&mut self, n: usize) -> bool {
+        if self.pages.len() >= n {
+            return true;
+        }
+        let want = n - self.pages.len();
+        let mut st = self.pool.lock();
+        if st.free.len() < want {
+            return false;
+        }
+        for _ in 0..want {
+            let page = st.free.pop_front().expect("checked length");
+            debug_assert_eq!(st.refcount[page as usize], 0);
+            st.refcount[page as usize] = 1;
+            self.pages.push(page);
+        }
+        true
     }
 
     /// Return every page to the pool now.
@@ -209,7 +214,7 @@ mod tests {
 
     #[test]
     fn null_page_is_never_handed_out() {
-        let pool = BlockPool::new(4, 16);
+        let pool = PagePool::new(4, 16);
         let mut l = pool.empty_list();
         assert!(pool.grow_to(&mut l, 3));
         assert!(!l.pages().contains(&NULL_PAGE));
@@ -220,7 +225,7 @@ mod tests {
 
     #[test]
     fn drop_returns_pages_and_recently_freed_are_reused_last() {
-        let pool = BlockPool::new(5, 4);
+        let pool = PagePool::new(5, 4);
         let mut a = pool.empty_list();
         let mut b = pool.empty_list();
         assert!(pool.grow_to(&mut a, 2)); // pages 1, 2
@@ -237,7 +242,7 @@ mod tests {
 
     #[test]
     fn shared_pages_free_only_when_last_owner_drops() {
-        let pool = BlockPool::new(3, 2);
+        let pool = PagePool::new(3, 2);
         let mut a = pool.empty_list();
         assert!(pool.grow_to(&mut a, 1));
         let page = a.pages()[0];
@@ -253,7 +258,7 @@ mod tests {
 
     #[test]
     fn slots_follow_the_page_table() {
-        let pool = BlockPool::new(8, 4);
+        let pool = PagePool::new(8, 4);
         let mut filler = pool.empty_list();
         assert!(pool.grow_to(&mut filler, 2)); // take pages 1, 2
         let mut l = pool.empty_list();
