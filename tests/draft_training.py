@@ -45,8 +45,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from attention_meta import meta_for_batch
 from dflash_engine.models.config import DraftConfig, ModelConfig
 from dflash_engine.models.dflash import DFlashDraftModel
+from dflash_engine.models.packed import to_checkpoint_state_dict
 from dflash_engine.ops.rotary import rotate_half
 from tiny_models import (
     ENDOFTEXT_ID,
@@ -178,20 +180,22 @@ def dense_block_forward(
     x = block_embeds.reshape(n, rows, h)
     for layer in draft.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        # the packed parameters' Hugging Face shards (row views: gradients reach the packed ones)
+        wq, wk, wv = attn.qkv_proj.weight.split([nh * hd, nkv * hd, nkv * hd])
+        w_gate, w_up = mlp.gate_up_proj.weight.chunk(2)
         # context K/V straight from ctx: no input_layernorm
-        kc = _rope(attn.k_norm(F.linear(ctx, attn.k_proj.weight).view(n, s, nkv, hd)), ctx_cos, ctx_sin)
-        vc = F.linear(ctx, attn.v_proj.weight)
+        kc = _rope(attn.k_norm(F.linear(ctx, wk).view(n, s, nkv, hd)), ctx_cos, ctx_sin)
+        vc = F.linear(ctx, wv)
         hn = layer.input_layernorm(x)
-        q = _rope(attn.q_norm(F.linear(hn, attn.q_proj.weight).view(n, rows, nh, hd)), blk_cos, blk_sin)
-        kb = _rope(attn.k_norm(F.linear(hn, attn.k_proj.weight).view(n, rows, nkv, hd)), blk_cos, blk_sin)
-        vb = F.linear(hn, attn.v_proj.weight)
+        q = _rope(attn.q_norm(F.linear(hn, wq).view(n, rows, nh, hd)), blk_cos, blk_sin)
+        kb = _rope(attn.k_norm(F.linear(hn, wk).view(n, rows, nkv, hd)), blk_cos, blk_sin)
+        vb = F.linear(hn, wv)
         k = heads(torch.cat([kc.flatten(2), kb.flatten(2)], dim=1))
         v = heads(torch.cat([vc, vb], dim=1))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible, scale=hd**-0.5)
         x = x + F.linear(o.transpose(1, 2).reshape(n, rows, nh * hd), attn.o_proj.weight)
         hn = layer.post_attention_layernorm(x)
-        x = x + F.linear(F.silu(F.linear(hn, mlp.gate_proj.weight)) * F.linear(hn, mlp.up_proj.weight),
-                         mlp.down_proj.weight)
+        x = x + F.linear(F.silu(F.linear(hn, w_gate)) * F.linear(hn, w_up), mlp.down_proj.weight)
     return draft.norm(x).view(n, a_num, b, h)
 
 
@@ -365,7 +369,9 @@ def _train(target_dir: Path, target_cfg: dict[str, Any], layer_ids: list[int], r
     rep.steps = steps
     rep.mask_token_id, rep.mask_token_count = mask_id, int((tokens == mask_id).sum())
     rep.target_layer_ids, rep.num_sequences, rep.seq_len = list(layer_ids), n, s
-    return {k: v.detach().clone().contiguous() for k, v in draft.state_dict().items()}, cfg_dict
+    # saved under the Hugging Face names (q_proj, k_proj, ... split out of the packed parameters)
+    state_dict = to_checkpoint_state_dict(draft.state_dict(), draft.config)
+    return {k: v.detach().clone().contiguous() for k, v in state_dict.items()}, cfg_dict
 
 
 def _draft_config(target_cfg: dict[str, Any], **kw: Any) -> dict[str, Any]:
@@ -420,7 +426,7 @@ def measure_acceptance(
 ) -> AcceptanceStats:
     """Greedy speculative decoding replayed with the real inference path, without the engine.
 
-    The paged target (load_target + KVCache + AttentionMetadata.for_batch) makes the greedy
+    The paged target (load_target + KVCache + attention_meta.meta_for_batch) makes the greedy
     continuation of every prompt (batched, one token per step) with the taps of every
     position. Then, per prompt, the speculative loop: the draft context holds exactly [0, committed); the draft runs
     [bonus, MASK x (B-1)] non-causally at positions committed..committed+B-1;
@@ -431,7 +437,6 @@ def measure_acceptance(
     context_position_offset != 0 writes the context at wrong RoPE positions (negative control)."""
     from dflash_engine.kv_cache import KVCache
     from dflash_engine.models import load_draft, load_target
-    from dflash_engine.ops import AttentionMetadata
 
     with _torch_state(0, num_threads):
         target = load_target(target_dir, dtype="float32")
@@ -455,7 +460,7 @@ def measure_acceptance(
         q_lens = [len(p) for p in prompts]
         for _ in range(new_tokens):
             seq_lens = [len(t) for t in tokens]
-            m, pos = AttentionMetadata.for_batch(q_lens, seq_lens, tables, page_size, True)
+            m, pos = meta_for_batch(q_lens, seq_lens, tables, page_size, True)
             ids = torch.tensor([x for t, q in zip(tokens, q_lens) for x in t[len(t) - q:]])
             hidden, taps = target(ids, pos, m, kv, tap_layers)
             last = torch.tensor(m.query_start_loc_cpu[1:]) - 1
@@ -473,14 +478,14 @@ def measure_acceptance(
             def write_context(start: int, end: int, table=table, ctx_taps=ctx_taps) -> None:
                 """Draft context for positions [start, end), from the target's taps."""
                 if end > start:
-                    m, pos = AttentionMetadata.for_batch([end - start], [end], table, page_size, True)
+                    m, pos = meta_for_batch([end - start], [end], table, page_size, True)
                     draft.write_context(ctx_taps[start:end], pos + context_position_offset,
                                         m.slot_mapping, kv)
 
             committed = len(prompt)  # prefill: the prompt rows become context, bonus = seq[P]
             write_context(0, committed)
             while committed + b <= total:
-                m, pos = AttentionMetadata.for_batch([b], [committed + b], table, page_size, False)
+                m, pos = meta_for_batch([b], [committed + b], table, page_size, False)
                 ids = torch.tensor([seq[committed]] + [cfg.mask_token_id] * (b - 1))
                 h = draft(target.embed(ids), pos, m, kv)
                 drafted = target.compute_logits(h[1:]).argmax(-1).tolist()

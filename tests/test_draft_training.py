@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_meta import meta_for_batch
 from dflash_engine.kv_cache import KVCache
 from dflash_engine.models import load_draft, load_target
 from dflash_engine.models.config import ModelConfig
-from dflash_engine.ops import AttentionMetadata
 from draft_training import (
     FIRST_RESERVED_ID,
     TRAIN_PROMPT_SEED,
@@ -95,9 +95,9 @@ def test_training_forward_matches_inference_forward(trained):
         kv = KVCache.allocate(target.config, cfg, 12, page, torch.float32)
         table = [list(range(11, 0, -1))]
         for i, a in enumerate(anchors.tolist()):
-            meta, pos = AttentionMetadata.for_batch([a], [a], table, page, True)
+            meta, pos = meta_for_batch([a], [a], table, page, True)
             draft.write_context(taps[r, :a], pos, meta.slot_mapping, kv)
-            meta, pos = AttentionMetadata.for_batch([BLOCK], [a + BLOCK], table, page, False)
+            meta, pos = meta_for_batch([BLOCK], [a + BLOCK], table, page, False)
             paged = draft(target.embed(block_ids[r, i]), pos, meta, kv)
             torch.testing.assert_close(paged, dense[r, i], rtol=1e-4, atol=1e-4)
 

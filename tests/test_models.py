@@ -4,15 +4,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_meta import meta_for_batch
 from safetensors.torch import load_file, save_file
 from tiny_models import IM_END_ID, make_tiny_dflash_draft, make_tiny_llama, make_tiny_qwen3
 
-from dflash_engine.kv_cache import KVCache, num_pages_for_budget
+from dflash_engine.kv_cache import KVCache
 from dflash_engine.models import load_draft, load_target
 from dflash_engine.models.config import (
     DraftConfig,
@@ -20,7 +22,7 @@ from dflash_engine.models.config import (
     default_target_layer_ids,
     validate_draft_against_target,
 )
-from dflash_engine.ops import AttentionMetadata
+from dflash_engine.models.packed import to_checkpoint_state_dict
 
 BLOCK = 4
 N_NEW = 8
@@ -54,7 +56,7 @@ class PagedRequests:
 
     def meta(self, q_lens, causal=True, advance=True):
         seq_lens = [n + q for n, q in zip(self.lens, q_lens)]
-        meta, positions = AttentionMetadata.for_batch(q_lens, seq_lens, self.tables, BLOCK, causal)
+        meta, positions = meta_for_batch(q_lens, seq_lens, self.tables, BLOCK, causal)
         if advance:
             self.lens = seq_lens
         return meta, positions
@@ -237,6 +239,38 @@ def test_dflash_draft_is_batch_invariant(qwen3_dir, tmp_path):
     assert torch.equal(alone, batched[block:2 * block])
 
 
+def test_draft_context_write_projects_kv_only(qwen3_dir, tmp_path):
+    """write_context projects K/V from the k, v rows of each layer's qkv_proj: the checkpoint's
+    k_proj/v_proj results, and the full qkv GEMM (which would compute q too) never runs."""
+    target_cfg = load_target(qwen3_dir).config
+    draft_dir = make_tiny_dflash_draft(tmp_path, qwen3_dir, target_layer_ids=[1, 2], rope_theta=5000.0)
+    draft = load_draft(draft_dir, target_cfg)
+    sd, cfg = load_file(draft_dir / "model.safetensors"), draft.config
+    n, nkv, hd = 5, cfg.num_key_value_heads, cfg.head_dim
+    positions = torch.arange(3, 3 + n)
+    x = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for i, layer in enumerate(draft.layers):
+            w = lambda name: sd[f"layers.{i}.self_attn.{name}.weight"]  # noqa: E731
+            k, v = layer.self_attn.project_kv(x, *draft.rotary(positions, x.dtype))
+            k_ref = rope(rms((x @ w("k_proj").T).view(n, nkv, hd), w("k_norm")), positions, 5000.0)
+            torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, (x @ w("v_proj").T).view(n, nkv, hd), atol=1e-5, rtol=1e-5)
+
+        calls = []
+        hooks = [layer.self_attn.qkv_proj.register_forward_hook(lambda *_: calls.append(1))
+                 for layer in draft.layers]
+        reqs = PagedRequests(target_cfg, 1, 16, cfg)
+        meta, positions = reqs.meta([n])
+        draft.write_context(torch.randn(n, 2 * cfg.hidden_size), positions, meta.slot_mapping, reqs.kv)
+        assert not calls and reqs.kv.draft[0][0].count_nonzero() > 0
+        meta, positions = reqs.meta([cfg.block_size], causal=False)
+        draft(torch.randn(cfg.block_size, cfg.hidden_size), positions, meta, reqs.kv)
+        assert len(calls) == len(draft.layers)  # the block rows do use the merged GEMM
+        for h in hooks:
+            h.remove()
+
+
 def test_default_target_layer_ids():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(28, 1) == [14]
@@ -327,6 +361,18 @@ def test_loader_errors_name_the_problem(qwen3_dir, tmp_path):
     with pytest.raises(ValueError, match=pattern):
         load_target(shape)
 
+    # A packed parameter's shard: the error names the checkpoint tensor, and where it goes.
+    missing_k = copy_checkpoint(qwen3_dir, tmp_path / "missing_k",
+                                edit_tensors=lambda t: t.pop("model.layers.2.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.2\.self_attn\.k_proj\.weight$"):
+        load_target(missing_k)
+    short_v = copy_checkpoint(qwen3_dir, tmp_path / "short_v", edit_tensors=lambda t: t.update(
+        {"model.layers.0.self_attn.v_proj.weight": torch.zeros(16, 64)}))
+    pattern = (r"shape mismatch for tensor 'model\.layers\.0\.self_attn\.v_proj\.weight' .*"
+               r"expected \(32, 64\), got \(16, 64\) \(rows \[96, 128\) of model\.layers\.0\.self_attn\.qkv_proj")
+    with pytest.raises(ValueError, match=pattern):
+        load_target(short_v)
+
     arch = copy_checkpoint(qwen3_dir, tmp_path / "arch",
                            edit_config=lambda c: c.update(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen3ForCausalLM"):
@@ -348,9 +394,26 @@ def test_loader_sharded_checkpoint(qwen3_dir, tmp_path):
         save_file({k: tensors[k] for k in keys}, path / file)
     weight_map = {k: file for file, keys in shards.items() for k in keys}
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    # A tensor stored in two shard files is an error, not a silent overwrite.
+    dup = shutil.copytree(path, tmp_path / "duplicated")
+    first = "model-00001-of-00002.safetensors"
+    save_file({k: tensors[k] for k in shards[first] + [names[1]]}, dup / first)
+    with pytest.raises(ValueError, match=f"{re.escape(repr(names[1]))} appears twice"):
+        load_target(dup)
+
     model = load_target(path)
-    for name, p in model.named_parameters():
-        assert torch.equal(p, tensors[name])
+    # q/k/v (and gate/up) of a layer sit in different shard files; each lands in its rows.
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        qkv = [tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]
+        assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(qkv))
+        gate_up = [tensors[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]
+        assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat(gate_up))
+    # The inverse mapping (for saving) gives back exactly the checkpoint.
+    saved = to_checkpoint_state_dict(dict(model.named_parameters()), model.config)
+    assert saved.keys() == tensors.keys()
+    for name, t in saved.items():
+        assert torch.equal(t, tensors[name])
 
 
 def test_kv_cache_sizing(qwen3_dir):
@@ -360,9 +423,8 @@ def test_kv_cache_sizing(qwen3_dir):
     per_page = KVCache.bytes_per_page(target, draft, 16, torch.bfloat16)
     assert per_page == 2 * 16 * 2 * (4 * 2 * 16 + 2 * 4 * 8)
     assert KVCache.bytes_per_page(target, None, 16, "float32") == 2 * 16 * 4 * (4 * 2 * 16)
-    assert num_pages_for_budget(10 * per_page + per_page - 1, target, draft, 16, torch.bfloat16) == 10
     kv = KVCache.allocate(target, draft, 10, 16, torch.bfloat16)
-    assert len(kv.target) == 4 and len(kv.draft) == 2 and (kv.num_pages, kv.block_size) == (10, 16)
+    assert len(kv.target) == 4 and len(kv.draft) == 2 and (kv.num_pages, kv.page_size) == (10, 16)
     assert kv.target[0][0].shape == (10, 16, 2, 16) and kv.draft[1][1].shape == (10, 16, 4, 8)
     total = sum(t.numel() * t.element_size() for pair in kv.target + kv.draft for t in pair)
     assert total == 10 * per_page

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from attention_meta import meta_for_batch, meta_from_lists
 
 from dflash_engine.models.config import ModelConfig
 from dflash_engine.ops import (
-    AttentionMetadata,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
@@ -48,9 +48,9 @@ def make_batch(query_lens, seq_lens, causal, seed=0):
     v_cache = torch.zeros_like(k_cache)
     ks = [torch.randn(s, N_KV, HD, generator=gen) for s in seq_lens]
     vs = [torch.randn(s, N_KV, HD, generator=gen) for s in seq_lens]
-    full, _ = AttentionMetadata.for_batch(seq_lens, seq_lens, tables, BLOCK, causal)
+    full, _ = meta_for_batch(seq_lens, seq_lens, tables, BLOCK, causal)
     write_kv(k_cache, v_cache, torch.cat(ks), torch.cat(vs), full.slot_mapping)
-    meta, positions = AttentionMetadata.for_batch(query_lens, seq_lens, tables, BLOCK, causal)
+    meta, positions = meta_for_batch(query_lens, seq_lens, tables, BLOCK, causal)
     q = torch.randn(sum(query_lens), N_HEADS, HD, generator=gen)
     return q, k_cache, v_cache, meta, positions, ks, vs, tables
 
@@ -72,7 +72,7 @@ def test_paged_attention_is_batch_independent():
     query_lens, seq_lens = [3, 1, 6], [11, 6, 6]
     q, k_cache, v_cache, meta, _, _, _, tables = make_batch(query_lens, seq_lens, True, seed=3)
     batched = paged_attention(q, k_cache, v_cache, meta, HD**-0.5)
-    alone_meta, _ = AttentionMetadata.for_batch(query_lens[1:2], seq_lens[1:2], tables[1:2], BLOCK, True)
+    alone_meta, _ = meta_for_batch(query_lens[1:2], seq_lens[1:2], tables[1:2], BLOCK, True)
     rows = slice(meta.query_start_loc_cpu[1], meta.query_start_loc_cpu[2])
     alone = paged_attention(q[rows], k_cache, v_cache, alone_meta, HD**-0.5)
     assert torch.equal(alone, batched[rows])
@@ -88,8 +88,8 @@ def test_write_kv_slots():
     assert k_cache.count_nonzero() == 5  # nothing else written (k[0] = [0, 1] holds one zero)
 
 
-def test_metadata_from_lists_pads_block_tables():
-    meta = AttentionMetadata.from_lists([5, 6], [0, 1, 2], [3, 1], [[1, 2], [3]], causal=True)
+def test_meta_from_lists_pads_block_tables():  # the test helper behind make_batch
+    meta = meta_from_lists([5, 6], [0, 1, 2], [3, 1], [[1, 2], [3]], causal=True)
     assert meta.block_tables.tolist() == [[1, 2], [3, 0]]
     assert meta.block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
     assert meta.query_start_loc_cpu == [0, 1, 2] and meta.seq_lens_cpu == [3, 1]

@@ -1,9 +1,9 @@
 """DFlash draft model (see shared/design/DFLASH.md).
 
 The target conditions the draft only through context K/V: ctx = hidden_norm(fc(taps)) is
-projected by each layer's k_proj/v_proj (k_norm + RoPE on K, no input_layernorm) into the
-draft KV at the committed positions. The block rows then run as ordinary pre-norm Qwen3
-layers attending non-causally over context + block.
+projected by the k/v rows of each layer's qkv_proj (Attention.project_kv: k_norm + RoPE on
+K, no input_layernorm, no q) into the draft KV at the committed positions. The block rows
+then run as ordinary pre-norm Qwen3 layers attending non-causally over context + block.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Decoder-layer pieces shared by the Llama/Qwen3 targets and the DFlash draft.
 
-Module and parameter names mirror Hugging Face so checkpoint names map one to one.
+Module and parameter names mirror Hugging Face, except the packed projections (qkv_proj,
+gate_up_proj), whose checkpoint shards packed.py maps.
 """
 from __future__ import annotations
 
@@ -52,42 +53,52 @@ def make_rotary(cfg: ModelConfig) -> RotaryEmbedding:
 
 
 class Attention(nn.Module):
+    """q, k, v from one GEMM: `qkv_proj` packs q_proj/k_proj/v_proj by rows (packed.py)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        bias = cfg.attention_bias
-        h, q_dim, kv_dim = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(h, q_dim, bias=bias)
-        self.k_proj = Linear(h, kv_dim, bias=bias)
-        self.v_proj = Linear(h, kv_dim, bias=bias)
-        self.o_proj = Linear(q_dim, h, bias=bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias, h = cfg.attention_bias, cfg.hidden_size
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, h, bias=bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+    def _q_heads(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rotary(q, cos, sin)
 
-    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+    def _kv_heads(self, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return apply_rotary(k, cos, sin), v
+        return apply_rotary(k, cos, sin), v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """K (normed, rotated) and V only, from the k, v rows of qkv_proj (a view, no copy):
+        the draft's context write computes no q."""
+        weight = self.qkv_proj.weight[self.q_size:]
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size:]
+        k, v = invariant_linear(x, weight, bias).split(self.kv_size, dim=-1)
+        return self._kv_heads(k, v, cos, sin)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_layer: KVLayer
     ) -> Tensor:
-        q = self.project_q(x, cos, sin)
-        k, v = self.project_kv(x, cos, sin)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self._q_heads(q, cos, sin)
+        k, v = self._kv_heads(k, v, cos, sin)
         k_cache, v_cache = kv_layer
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
@@ -95,15 +106,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up from one GEMM: `gate_up_proj` packs gate_proj/up_proj."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear(h, i, bias=bias)
-        self.up_proj = Linear(h, i, bias=bias)
+        self.gate_up_proj = Linear(h, 2 * i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -157,10 +171,10 @@ class CausalLM(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        # tap_layers (the draft's target_layer_ids) are range-checked once, at draft load
+        # (validate_draft_against_target).
         tapped: dict[int, Tensor] = {}
         wanted = set(tap_layers or ())
-        if any(not 0 <= i < len(self.model.layers) for i in wanted):
-            raise ValueError(f"tap_layers {tap_layers} out of range for {len(self.model.layers)} layers")
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, meta, kv.target[i])
             if i in wanted:

@@ -1,7 +1,8 @@
 """Load targets and DFlash drafts from Hugging Face directories (config.json + safetensors).
 
-Strict: every parameter must come from the checkpoint with the right shape, and every
-checkpoint tensor must be used (rotary inv_freq buffers and a tied lm_head excepted).
+Strict: every parameter (every shard of a packed one, see packed.py) must come from exactly
+one checkpoint tensor with the right shape, and every checkpoint tensor must be used (rotary
+inv_freq buffers and a tied lm_head excepted).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 from .config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
 from .dflash import DFlashDraftModel
 from .llama import LlamaForCausalLM
+from .packed import checkpoint_shards
 from .qwen3 import Qwen3ForCausalLM
 
 TARGET_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
@@ -51,26 +53,35 @@ def _ignorable(name: str, model: nn.Module) -> bool:
 
 
 def load_weights(model: nn.Module, files: list[Path]) -> None:
+    """Fill `model`'s parameters from Hugging Face safetensors files. Packed parameters
+    (packed.py) are filled shard by shard; errors name the checkpoint tensor."""
     params = dict(model.named_parameters())
+    shards = checkpoint_shards(params.items(), model.config)
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name not in params:
+                    if name not in shards:
                         if _ignorable(name, model):
                             continue
                         raise ValueError(f"unexpected tensor {name!r} in {file.name}")
-                    param = params[name]
+                    if name in loaded:
+                        raise ValueError(f"tensor {name!r} appears twice in the checkpoint "
+                                         f"(again in {file.name})")
+                    param_name, start, rows = shards[name]
+                    dest = params[param_name].narrow(0, start, rows)
                     shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(param.shape):
+                    if shape != tuple(dest.shape):
+                        where = ("" if param_name == name
+                                 else f" (rows [{start}, {start + rows}) of {param_name})")
                         raise ValueError(
                             f"shape mismatch for tensor {name!r} in {file.name}: "
-                            f"expected {tuple(param.shape)}, got {shape}"
+                            f"expected {tuple(dest.shape)}, got {shape}{where}"
                         )
-                    param.copy_(f.get_tensor(name))
+                    dest.copy_(f.get_tensor(name))
                     loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(shards) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
 

@@ -6,7 +6,6 @@ which other requests share the batch (bit-identical outputs alone or batched).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -25,59 +24,6 @@ class AttentionMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @classmethod
-    def from_lists(
-        cls,
-        slot_mapping: Sequence[int],
-        query_start_loc: Sequence[int],
-        seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        causal: bool,
-        device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
-        """Build from host lists (or numpy arrays); block tables are padded with page 0."""
-        qsl = [int(x) for x in query_start_loc]
-        lens = [int(x) for x in seq_lens]
-        width = max((len(bt) for bt in block_tables), default=0)
-        table = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
-        for r, bt in enumerate(block_tables):
-            if len(bt):
-                table[r, : len(bt)] = torch.as_tensor(list(bt), dtype=torch.int32)
-        return cls(
-            slot_mapping=torch.as_tensor(list(slot_mapping), dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            block_tables=table.to(device),
-            causal=causal,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=lens,
-        )
-
-    @classmethod
-    def for_batch(
-        cls,
-        query_lens: Sequence[int],
-        seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        block_size: int,
-        causal: bool,
-        device: torch.device | str = "cpu",
-    ) -> tuple["AttentionMetadata", Tensor]:
-        """Metadata plus positions for requests whose rows are the last `query_lens[r]`
-        positions of their `seq_lens[r]` context. Returns (meta, positions [T] int64)."""
-        qsl, slots, positions = [0], [], []
-        for q_len, s_len, bt in zip(query_lens, seq_lens, block_tables):
-            if q_len > s_len:
-                raise ValueError(f"query length {q_len} exceeds sequence length {s_len}")
-            if -(-s_len // block_size) > len(bt):
-                raise ValueError(f"block table of {len(bt)} pages cannot hold {s_len} tokens")
-            for pos in range(s_len - q_len, s_len):
-                positions.append(pos)
-                slots.append(int(bt[pos // block_size]) * block_size + pos % block_size)
-            qsl.append(qsl[-1] + q_len)
-        meta = cls.from_lists(slots, qsl, seq_lens, block_tables, causal, device)
-        return meta, torch.tensor(positions, dtype=torch.int64, device=device)
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
