@@ -1,4 +1,4 @@
-"""`dflash-engine {serve,generate,chat,convert,bench serve}`."""
+"""`dflash-engine {serve,generate,chat,convert,make-random-checkpoint,bench serve}`."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None)
 
     sub.add_parser("convert", help="convert a llama GGUF into a Hugging Face directory", add_help=False)
+    sub.add_parser("make-random-checkpoint", add_help=False,
+                   help="write a random-weight Qwen3 target (and DFlash draft) in the Hugging Face format")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_args(bsub.add_parser("serve", help="load generator against an OpenAI-compatible server"))
@@ -61,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from .gguf_convert import main as convert_main
 
         return convert_main(argv[1:])
+    if argv and argv[0] == "make-random-checkpoint":  # dispatched early: needs no server packages
+        from .random_checkpoint import main as random_checkpoint_main
+
+        return random_checkpoint_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         if args.enable_prefix_caching:
