@@ -86,3 +86,16 @@ def sample(logits: Tensor, st: SamplingTensors) -> Tensor:
     idx = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=vocab - 1)
     out[rand] = order.gather(1, idx).squeeze(1)
     return out
+
+
+def accept(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+    """draft [n, B-1], target [n, B] int64 -> accepted [n] int64: the number of leading i
+    with draft[:, i] == target[:, i] (d_{i+1} == t_i; DFLASH.md, step 3)."""
+    n, drafts = draft_tokens.shape
+    if target_tokens.shape != (n, drafts + 1):
+        raise ValueError(f"target_tokens {tuple(target_tokens.shape)} must be [{n}, {drafts + 1}]")
+    miss = draft_tokens != target_tokens[:, :drafts]
+    if drafts == 0:
+        return torch.zeros(n, dtype=torch.int64, device=draft_tokens.device)
+    first_miss = miss.to(torch.int8).argmax(dim=1)  # first mismatch (0 when there is none)
+    return torch.where(miss.any(dim=1), first_miss, torch.full_like(first_miss, drafts)).to(torch.int64)

@@ -20,3 +20,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The fused "residual add + RMSNorm" of a pre-norm decoder layer.
+
+    Returns (rms_norm(x + residual), x + residual); the sum is rounded to the input dtype
+    before the norm reads it, as the unfused layer does.
+    """
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .norm import rms_norm
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -142,3 +144,38 @@ class RotaryEmbedding(nn.Module):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+
+def qk_norm_rope(
+    qkv: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: Tensor,
+    sin: Tensor,
+    q_norm_weight: Tensor | None,
+    k_norm_weight: Tensor | None,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Split a merged projection qkv [T, (H + 2*KV) * D] into contiguous q [T, H, D],
+    k [T, KV, D], v [T, KV, D]; per-head RMSNorm on q and k where a weight is given
+    (Qwen3's q_norm/k_norm; Llama has none), then neox RoPE on q and k.
+
+    cos/sin: [T, D] as RotaryEmbedding returns them, or their first half [T, D/2].
+    The same math as Attention.project_q / project_kv.
+    """
+    t = qkv.shape[0]
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    if qkv.shape[-1] != q_dim + 2 * kv_dim:
+        raise ValueError(f"qkv width {qkv.shape[-1]} != (H + 2*KV) * D = {q_dim + 2 * kv_dim}")
+    if cos.shape[-1] == head_dim // 2:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    q = qkv[:, :q_dim].reshape(t, num_heads, head_dim)
+    k = qkv[:, q_dim:q_dim + kv_dim].reshape(t, num_kv_heads, head_dim)
+    v = qkv[:, q_dim + kv_dim:].reshape(t, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = rms_norm(k, k_norm_weight, eps)
+    return (apply_rotary(q, cos, sin).contiguous(), apply_rotary(k, cos, sin).contiguous(),
+            v.contiguous())
