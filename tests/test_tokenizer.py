@@ -177,3 +177,56 @@ def test_find_stop() -> None:
     # ... but one that ended before the new text is not searched again.
     assert find_stop("stop here", ["stop"], start=6) is None
     assert find_stop("ab STOP cd STOP", ["STOP"], start=8) == 11
+
+
+# ---- where the chat template lives (issue 8, reproduction 5) ----------------------------
+
+JINJA_TPL = "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+JSON_TPL = "{% for m in messages %}<{{ m['role'] }}={{ m['content'] }}>{% endfor %}"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_template_from_jinja_file(tmp_path: Path) -> None:
+    """Current HF tooling saves the template as chat_template.jinja, not in the config."""
+    d = make_dir(tmp_path, chat_template=None)
+    (d / "chat_template.jinja").write_text(JINJA_TPL, encoding="utf-8")
+    assert Tokenizer.from_dir(d).apply_chat_template(MSGS, add_generation_prompt=False) == "[user:hi]"
+
+
+def test_chat_template_jinja_file_overrides_config(tmp_path: Path) -> None:
+    d = make_dir(tmp_path)  # CHATML in tokenizer_config.json
+    (d / "chat_template.jinja").write_text(JINJA_TPL, encoding="utf-8")
+    _write(d, "chat_template.json", {"chat_template": JSON_TPL})
+    assert Tokenizer.from_dir(d).chat_template == JINJA_TPL
+
+
+def test_chat_template_from_legacy_json(tmp_path: Path) -> None:
+    d = make_dir(tmp_path, chat_template=None)
+    _write(d, "chat_template.json", {"chat_template": JSON_TPL})
+    assert Tokenizer.from_dir(d).apply_chat_template(MSGS) == "<user=hi>"
+    # The tokenizer's own template (in its config) wins over the processor's legacy file.
+    (tmp_path / "both").mkdir()
+    d2 = make_dir(tmp_path / "both")
+    _write(d2, "chat_template.json", {"chat_template": JSON_TPL})
+    assert Tokenizer.from_dir(d2).chat_template == CHATML
+
+
+def test_chat_template_order_matches_transformers(tmp_path: Path) -> None:
+    """Whichever files are present, the template is the one transformers' tokenizer loads."""
+    transformers = pytest.importorskip("transformers")
+    cases = {
+        "jinja-only": (None, JINJA_TPL, None),
+        "jinja-and-config": (CHATML, JINJA_TPL, None),
+        "config-and-json": (CHATML, None, JSON_TPL),
+        "config-only": (CHATML, None, None),
+    }
+    for name, (in_config, jinja, legacy) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        make_dir(d, chat_template=in_config, eos_token="<|im_end|>")
+        if jinja is not None:
+            (d / "chat_template.jinja").write_text(jinja, encoding="utf-8")
+        if legacy is not None:
+            _write(d, "chat_template.json", {"chat_template": legacy})
+        hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(d))
+        assert Tokenizer.from_dir(d).chat_template == hf.chat_template, name

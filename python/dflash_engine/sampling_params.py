@@ -1,10 +1,41 @@
-"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``."""
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``.
+
+``validate`` is the one place that decides what the engine can represent: every field is
+type-checked and bounded so that building a step's sampling tensors (int64 / float32)
+can never fail because of what one request carries. A failure raises
+``InvalidSamplingParamError`` naming the field (the server answers 400 with ``param``).
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+# Far above any useful temperature (sampling is uniform long before), far below float32's max.
+MAX_TEMPERATURE = 1e4
+# Stop strings are searched in every new piece of text on the engine thread: keep it bounded.
+MAX_STOP_STRINGS = 128
+
+
+class InvalidSamplingParamError(ValueError):
+    """A sampling parameter the engine cannot honour; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass
@@ -26,33 +57,83 @@ class SamplingParams:
             self.stop_list = [self.stop]
         elif self.stop is None:
             self.stop_list = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop_list = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        else:
+            raise InvalidSamplingParamError(
+                "stop", f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise InvalidSamplingParamError(
+                "stop_token_ids",
+                f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
         self.validate()
 
-    def validate(self) -> None:
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"invalid SamplingParams: {msg}")
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check every field; with ``vocab_size``, token ids must lie in [0, vocab_size).
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
-            raise bad(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.n != 1:
-            raise bad(f"only n=1 is supported, got n={self.n!r}")
+        Normalises numeric types in place (numpy scalars become ``int`` / ``float``).
+        Raises ``InvalidSamplingParamError`` (a ``ValueError``) with ``param`` set.
+        """
+
+        def bad(param: str, msg: str) -> InvalidSamplingParamError:
+            return InvalidSamplingParamError(param, msg)
+
+        def real(param: str, value: object, lo: float, hi: float, lo_open: bool = False) -> float:
+            if not _is_real(value):
+                raise bad(param, f"{param} must be a number, got {value!r}")
+            v = float(value)  # type: ignore[arg-type]
+            if not math.isfinite(v):
+                raise bad(param, f"{param} must be a finite number, got {value!r}")
+            if v < lo or v > hi or (lo_open and v == lo):
+                rng = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+                raise bad(param, f"{param} must be in {rng}, got {value!r}")
+            return v
+
+        def integer(param: str, value: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> int:
+            if not _is_int(value):
+                raise bad(param, f"{param} must be an integer, got {value!r}")
+            v = int(value)  # type: ignore[arg-type]
+            if not lo <= v <= hi:
+                raise bad(param, f"{param} must be in [{lo}, {hi}], got {v}")
+            return v
+
+        self.temperature = real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        self.top_p = real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        top_k = integer("top_k", self.top_k)
+        if top_k < -1:
+            raise bad("top_k", f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
+        self.top_k = top_k
+        self.min_p = real("min_p", self.min_p, 0.0, 1.0)
+        if self.max_tokens is not None:
+            self.max_tokens = integer("max_tokens", self.max_tokens, 1)
+        if not _is_int(self.n) or self.n != 1:
+            raise bad("n", f"only n=1 is supported, got n={self.n!r}")
+        if len(self.stop_list) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop_list)}")
         if any(not isinstance(s, str) or s == "" for s in self.stop_list):
-            raise bad("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+            raise bad("stop", "stop strings must be non-empty strings")
+        hi = INT64_MAX if vocab_size is None else vocab_size - 1
+        ids = self.stop_token_ids or []
+        for t in ids:
+            if not _is_int(t) or not 0 <= t <= hi:
+                where = "" if vocab_size is None else f" (the vocabulary has {vocab_size} tokens)"
+                raise bad("stop_token_ids", f"stop_token_ids must be integers in [0, {hi}]{where}, got {t!r}")
+        self.stop_token_ids = [int(t) for t in ids]
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            self.seed = integer("seed", self.seed)
+
+    def effective_top_k(self, vocab_size: int) -> int:
+        """top_k as the sampler applies it: -1 / 0 (off) and anything above the vocabulary
+        mean the whole vocabulary (as vLLM clamps it)."""
+        if self.top_k <= 0:
+            return vocab_size
+        return min(self.top_k, vocab_size)
 
     @property
     def greedy(self) -> bool:

@@ -1,5 +1,10 @@
 """Tokenizer wrapper: tokenizer.json + tokenizer_config.json (chat template, special tokens).
 
+The chat template is looked up as ``transformers`` does for a tokenizer: a
+``chat_template.jinja`` file (how current Hugging Face tooling saves it) overrides the
+``chat_template`` entry of tokenizer_config.json; a legacy processor
+``chat_template.json`` (``{"chat_template": ...}``) is used when neither has one.
+
 Mirrors the parts of Hugging Face's ``PreTrainedTokenizerFast`` the engine needs, without
 depending on ``transformers``: encode/decode, EOS ids, chat-template rendering, and an
 incremental detokenizer for streaming.
@@ -19,11 +24,27 @@ from tokenizers import Tokenizer as _HFTokenizer
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def _read_chat_template(path: Path, config: dict[str, Any]) -> Any:
+    """The template (a string, or HF's list of named templates) for the directory ``path``
+    whose tokenizer_config.json is ``config``, in transformers' order of precedence."""
+    jinja_file = path / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():  # transformers: "take priority over ... the tokenizer config"
+        return jinja_file.read_text(encoding="utf-8")
+    if config.get("chat_template") is not None:
+        return config["chat_template"]
+    legacy = _read_json(path / LEGACY_CHAT_TEMPLATE_FILE)
+    return legacy.get("chat_template")
 
 
 def _token_content(tok: Any) -> str | None:
@@ -86,9 +107,13 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
+        config = _read_json(path / "tokenizer_config.json")
+        template = _read_chat_template(path, config)
+        if template is not None:
+            config = {**config, "chat_template": template}
         return cls(
             _HFTokenizer.from_file(str(tj)),
-            config=_read_json(path / "tokenizer_config.json"),
+            config=config,
             generation_config=_read_json(path / "generation_config.json"),
             model_config=_read_json(path / "config.json"),
             special_tokens_map=_read_json(path / "special_tokens_map.json"),
@@ -130,8 +155,8 @@ class Tokenizer:
     def _compiled_template(self) -> jinja2.Template:
         if self.chat_template is None:
             raise ValueError(
-                "this tokenizer has no chat template (tokenizer_config.json has no "
-                "'chat_template'); send a plain prompt instead"
+                "this tokenizer has no chat template (none in chat_template.jinja, "
+                "tokenizer_config.json or chat_template.json); send a plain prompt instead"
             )
         if self._template_cache is None:
             self._template_cache = _jinja_env().from_string(self.chat_template)

@@ -4,6 +4,11 @@ Every handler parses its own body (size-capped, strict JSON) so that each bad in
 OpenAI's error shape with a 4xx, and nothing reaches the engine until it is known to be
 servable. A streamed request is answered only once its first output (or its error)
 exists, so an engine-side refusal is still a 400 rather than an error inside a 200.
+
+Request ids: every HTTP request gets a fresh internal id minted here (``cmpl-<uuid4 hex>``
+/ ``chatcmpl-<uuid4 hex>``); that id is what the engine sees, and a disconnect aborts only
+the id of its own connection. A client's ``X-Request-Id`` is never used to look anything
+up: it is only echoed back (response header, and the response's ``id`` field).
 """
 
 from __future__ import annotations
@@ -20,14 +25,18 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import InvalidSamplingParamError, SamplingParams
 from . import protocol as p
 from .async_engine import AsyncLLMEngine, EngineDead, RequestAborted, RequestFailed
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_REQUEST_ID_CHARS = 128
+_ECHO_ID = "dflash_x_request_id"  # request.state key: the id echoed in the response header
 _ENGINE_ERRORS = (ValueError, RequestFailed, EngineDead, RequestAborted)
 
 
@@ -42,7 +51,8 @@ def _as_openai_error(e: BaseException) -> p.OpenAIError:
     if isinstance(e, p.OpenAIError):
         return e
     if isinstance(e, ValueError):  # the engine's "can never be served"
-        return p.bad_request(str(e))
+        param = getattr(e, "param", None)
+        return p.bad_request(str(e), param if isinstance(param, str) else None)
     if isinstance(e, RequestFailed):
         return p.OpenAIError(500, str(e), type="server_error", code="request_failed")
     if isinstance(e, EngineDead):
@@ -53,11 +63,13 @@ def _as_openai_error(e: BaseException) -> p.OpenAIError:
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """The first error's message (with its full location) and the top-level field it is in."""
     err = e.errors()[0]
     if err["type"] == "json_invalid":
         return f"request body is not valid JSON: {err['msg']}", None
     loc = ".".join(str(x) for x in err["loc"]) or None
-    return (f"{loc}: {err['msg']}" if loc else err["msg"]), loc
+    param = str(err["loc"][0]) if err["loc"] else None
+    return (f"{loc}: {err['msg']}" if loc else err["msg"]), param
 
 
 async def _read_json(request: Request, model: type[BaseModel], limit: int) -> Any:
@@ -65,10 +77,15 @@ async def _read_json(request: Request, model: type[BaseModel], limit: int) -> An
     if declared.isdigit() and int(declared) > limit:
         raise p.OpenAIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise p.OpenAIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise p.OpenAIError(413, f"request body exceeds {limit} bytes",
+                                    code="request_too_large")
+    except ClientDisconnect:  # gone before the body was complete: nothing to answer
+        raise p.OpenAIError(499, "client disconnected", type="invalid_request_error",
+                            code="client_disconnected") from None
     try:
         return model.model_validate_json(bytes(body))
     except ValidationError as e:
@@ -96,9 +113,11 @@ def _resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: i
     return requested
 
 
-def _sampling_params(req: p.SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling_params(req: p.SamplingFields, max_tokens: int, vocab_size: int | None) -> SamplingParams:
+    """Every field checked against what the engine can represent (token ids against the
+    vocabulary); a failure is a 400 naming the field."""
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
@@ -109,17 +128,62 @@ def _sampling_params(req: p.SamplingFields, max_tokens: int) -> SamplingParams:
             ignore_eos=req.ignore_eos,
             seed=req.seed,
         )
+        params.validate(vocab_size=vocab_size)
+    except InvalidSamplingParamError as e:
+        raise p.bad_request(str(e), e.param) from None
     except ValueError as e:
         raise p.bad_request(str(e)) from None
+    return params
 
 
-def _request_id(prefix: str, request: Request) -> str:
+def _client_request_id(request: Request) -> str | None:
+    """The client's X-Request-Id, if any: only ever echoed back, never used as a key."""
     given = request.headers.get("x-request-id")
     if given is None:
-        return f"{prefix}-{uuid.uuid4().hex}"
-    if not (0 < len(given) <= 128 and given.isprintable()):
-        raise p.bad_request("X-Request-Id must be 1-128 printable characters")
-    return f"{prefix}-{given}"
+        return None
+    if not (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable()):
+        raise p.bad_request(f"X-Request-Id must be 1-{MAX_REQUEST_ID_CHARS} printable characters",
+                            "X-Request-Id")
+    return given
+
+
+def _request_ids(prefix: str, request: Request) -> tuple[str, str, str | None]:
+    """(internal id, response id, client id). The internal id is always fresh; the response
+    id (the body's ``id``) is ``<prefix>-<X-Request-Id>`` when the client sent one, as vLLM
+    does, else the internal id."""
+    internal = f"{prefix}-{uuid.uuid4().hex}"
+    given = _client_request_id(request)
+    setattr(request.state, _ECHO_ID, given if given is not None else internal)
+    return internal, (internal if given is None else f"{prefix}-{given}"), given
+
+
+class EchoRequestId:
+    """ASGI middleware: every HTTP response carries ``X-Request-Id``: the client's own
+    (when printable, 1-128 characters), else the internal id the handler minted."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                echo = state.get(_ECHO_ID)
+                if echo is None:
+                    given = dict(scope.get("headers") or ()).get(b"x-request-id")
+                    if given is not None and 0 < len(given) <= MAX_REQUEST_ID_CHARS:
+                        text = given.decode("latin-1")
+                        echo = text if text.isprintable() else None
+                if echo is not None:
+                    headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                    message = {**message, "headers": [*headers, (b"x-request-id", echo.encode("latin-1"))]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def _abort_on_disconnect(request: Request, engine: AsyncLLMEngine, request_id: str) -> None:
@@ -215,6 +279,7 @@ def build_app(
                                 code="invalid_api_key")
 
     app = FastAPI(title="dflash-engine", lifespan=lifespan)
+    app.add_middleware(EchoRequestId)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.exception_handler(p.OpenAIError)
@@ -240,11 +305,16 @@ def build_app(
             raise p.bad_request("this model has no tokenizer; send token ids as the prompt")
         return async_engine.tokenizer
 
+    vocab_size = async_engine.vocab_size
+
     def check_ids(ids: list[int], param: str) -> list[int]:
         if not ids:
             raise p.bad_request("the prompt is empty", param)
         if min(ids) < 0:
             raise p.bad_request("token ids must be non-negative", param)
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise p.bad_request(f"token ids must be in [0, {vocab_size - 1}] (the vocabulary "
+                                f"has {vocab_size} tokens), got {max(ids)}", param)
         return ids
 
     async def render_chat(messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
@@ -269,10 +339,10 @@ def build_app(
             return check_ids(ids, "prompt"), prompt
         return check_ids(list(prompt), "prompt"), None
 
-    async def serve(request: Request, request_id: str, prompt_ids: list[int],
-                    prompt: str | None, params: SamplingParams, req: p.SamplingFields,
-                    shape: _CompletionShape) -> Response:
-        outputs = async_engine.generate(request_id, prompt_ids, params, prompt)
+    async def serve(request: Request, request_id: str, client_id: str | None,
+                    prompt_ids: list[int], prompt: str | None, params: SamplingParams,
+                    req: p.SamplingFields, shape: _CompletionShape) -> Response:
+        outputs = async_engine.generate(request_id, prompt_ids, params, prompt, client_id)
         watcher = asyncio.create_task(_abort_on_disconnect(request, async_engine, request_id))
         handed_over = False
         try:
@@ -318,19 +388,20 @@ def build_app(
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
+        rid, response_id, client_id = _request_ids("cmpl", request)
         req = await _read_json(request, p.CompletionRequest, max_body_bytes)
         check_model(req.model)
         if (why := req.unsupported()) is not None:
             raise p.bad_request(why)
         prompt_ids, prompt = await completion_prompt(req)
         max_tokens = _resolve_max_tokens(req.max_tokens, len(prompt_ids), max_model_len)
-        params = _sampling_params(req, max_tokens)
-        rid = _request_id("cmpl", request)
-        return await serve(request, rid, prompt_ids, prompt, params, req,
-                           _CompletionShape(rid, served_model_name))
+        params = _sampling_params(req, max_tokens, vocab_size)
+        return await serve(request, rid, client_id, prompt_ids, prompt, params, req,
+                           _CompletionShape(response_id, served_model_name))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        rid, response_id, client_id = _request_ids("chatcmpl", request)
         req = await _read_json(request, p.ChatCompletionRequest, max_body_bytes)
         check_model(req.model)
         if (why := req.unsupported()) is not None:
@@ -338,10 +409,9 @@ def build_app(
         prompt_ids = check_ids(await render_chat(req.messages, req.add_generation_prompt),
                                "messages")
         max_tokens = _resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), max_model_len)
-        params = _sampling_params(req, max_tokens)
-        rid = _request_id("chatcmpl", request)
-        return await serve(request, rid, prompt_ids, None, params, req,
-                           _ChatShape(rid, served_model_name))
+        params = _sampling_params(req, max_tokens, vocab_size)
+        return await serve(request, rid, client_id, prompt_ids, None, params, req,
+                           _ChatShape(response_id, served_model_name))
 
     @v1.get("/models")
     async def models() -> dict:
@@ -408,5 +478,6 @@ def run_server(args: Any) -> None:
           f"{engine.max_concurrency:.2f} (max_num_seqs {engine.config.max_num_seqs})", flush=True)
     served = args.served_model_name or args.model_flag or args.model or engine.model_path.name
     app = build_app(AsyncLLMEngine(engine), served, api_key=args.api_key,
-                    model_root=str(engine.model_path))
+                    model_root=str(engine.model_path),
+                    max_body_bytes=getattr(args, "max_request_body_bytes", None) or MAX_BODY_BYTES)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -6,6 +6,8 @@
     RequestStream.get()  <-- call_soon_threadsafe <-- step() outputs, per request
 
 The engine is only touched from its thread, so the event loop never waits on a step.
+Request ids are the caller's (the server mints a fresh one per HTTP request); an abort
+names the stream it came from, so it can only ever end the request that stream added.
 A step that raises past the engine's own isolation fails the requests the engine holds,
 aborts them so their pages return, and the loop goes on. The thread dies only when the
 engine cannot even be reset; ``is_healthy`` is then false and every request fails.
@@ -46,6 +48,7 @@ class RequestStream:
 
     request_id: str
     loop: asyncio.AbstractEventLoop
+    client_request_id: str | None = None  # the client's X-Request-Id: for logs only
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -76,7 +79,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    stream: RequestStream
 
 
 _STOP = object()
@@ -88,6 +91,7 @@ class AsyncLLMEngine:
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._live: dict[str, RequestStream] = {}  # event loop only: added, not yet done with
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._last_stats = engine.stats()  # a snapshot already
@@ -97,6 +101,12 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The target's vocabulary: valid token ids are [0, vocab_size)."""
+        model_config = getattr(self.engine, "model_config", None)
+        return getattr(model_config, "vocab_size", None)
 
     @property
     def max_model_len(self) -> int:
@@ -110,6 +120,11 @@ class AsyncLLMEngine:
     @property
     def dead_error(self) -> BaseException | None:
         return self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet released by their consumer (event-loop view)."""
+        return len(self._live)
 
     def stats(self) -> Any:
         """The engine's stats as of the end of the latest step (never races a step)."""
@@ -131,18 +146,36 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        client_request_id: str | None = None,
     ) -> RequestStream:
-        """Queue a request; errors (including the engine's ValueError) arrive on the stream."""
+        """Queue a request; errors (including the engine's ValueError) arrive on the stream.
+
+        ``request_id`` must be unique among live requests (a ValueError otherwise, and the
+        live request is untouched); call ``release`` once done with the stream.
+        """
         if not self.is_healthy:
             raise EngineDead(f"engine is not running: {self._dead!r}")
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stream = RequestStream(request_id, asyncio.get_running_loop(), client_request_id)
+        self._live[request_id] = stream
         self._commands.put(_Add(stream, list(prompt_token_ids), params, prompt))
         if not self.is_healthy:  # the thread died meanwhile; its last drain may have missed this
             self._fail_queued_adds()
         return stream
 
+    def release(self, stream: RequestStream, abort: bool) -> None:
+        """The consumer is done with ``stream``; with ``abort``, end its request in the engine."""
+        if self._live.get(stream.request_id) is stream:
+            del self._live[stream.request_id]
+        if abort:
+            self._commands.put(_Abort(stream))
+
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        """Abort the live request added under ``request_id`` (no-op once it is done)."""
+        stream = self._live.get(request_id)
+        if stream is not None:
+            self._commands.put(_Abort(stream))
 
     async def generate(
         self,
@@ -150,9 +183,10 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        client_request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; raise what failed it."""
-        stream = self.add_request(request_id, prompt_token_ids, params, prompt)
+        stream = self.add_request(request_id, prompt_token_ids, params, prompt, client_request_id)
         finished = False
         try:
             while not finished:
@@ -162,8 +196,7 @@ class AsyncLLMEngine:
                     raise RequestFailed(out.error or "request failed in the engine")
                 yield out
         finally:
-            if not finished:
-                self.abort(request_id)
+            self.release(stream, abort=not finished)
 
     # ---- engine thread -----------------------------------------------------------------
 
@@ -198,7 +231,7 @@ class AsyncLLMEngine:
             if isinstance(cmd, _Add):
                 self._add(cmd)
             else:
-                self._abort(cmd.request_id)
+                self._abort(cmd.stream)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -215,17 +248,18 @@ class AsyncLLMEngine:
             cmd.stream.put(e)
             return
         except Exception as e:  # a bug on one request's way in must not stop the loop
-            logger.exception("add_request %s failed", rid)
+            logger.exception("add_request %s (X-Request-Id %r) failed", rid, cmd.stream.client_request_id)
             cmd.stream.put(RequestFailed(f"could not add the request: {e!r}"))
             return
         self._streams[rid] = cmd.stream
 
-    def _abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return  # already finished, or never admitted
-        self.engine.abort_request(request_id)
-        stream.put(RequestAborted(request_id))
+    def _abort(self, stream: RequestStream) -> None:
+        rid = stream.request_id
+        if self._streams.get(rid) is not stream:
+            return  # already finished, never admitted, or not this stream's request
+        del self._streams[rid]
+        self.engine.abort_request(rid)
+        stream.put(RequestAborted(rid))
 
     def _step(self) -> None:
         try:

@@ -28,6 +28,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF-style model directory or .gguf file (default: the bundled "
@@ -56,6 +66,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
+                        help="larger request bodies get a 413 (default: 4 MiB)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser

@@ -8,11 +8,17 @@ result and that the engine cannot honour; those are refused by ``unsupported()``
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_STRICT = ConfigDict(strict=True, extra="allow")
+from ..sampling_params import INT64_MAX, INT64_MIN
+
+# Strict: no coercion; NaN and +-Infinity (which Python's JSON accepts) are refused too.
+_STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+# Every integer field must fit the int64 the engine stores it in. Token ids are checked
+# against the vocabulary by the handlers, which name the field.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class ErrorInfo(BaseModel):
@@ -63,13 +69,13 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: Int64 = 1
     logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -97,9 +103,9 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     # A string or token ids; a one-element batch of either is accepted as that prompt.
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
     def unsupported(self) -> str | None:
@@ -136,8 +142,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
 
