@@ -88,10 +88,10 @@ def test_write_kv_slots():
     assert k_cache.count_nonzero() == 5  # nothing else written (k[0] = [0, 1] holds one zero)
 
 
-def test_meta_from_lists_pads_block_tables():  # the test helper behind make_batch
+def test_meta_from_lists_pads_page_tables():  # the test helper behind make_batch
     meta = meta_from_lists([5, 6], [0, 1, 2], [3, 1], [[1, 2], [3]], causal=True)
-    assert meta.block_tables.tolist() == [[1, 2], [3, 0]]
-    assert meta.block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
+    assert meta.page_tables.tolist() == [[1, 2], [3, 0]]
+    assert meta.page_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
     assert meta.query_start_loc_cpu == [0, 1, 2] and meta.seq_lens_cpu == [3, 1]
 
 

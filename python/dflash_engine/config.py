@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens"}
@@ -53,8 +53,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False  # GPU: no CUDA graphs (same shapes and tokens, slower)
     served_model_name: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -18,7 +18,6 @@ from .model_path import resolve_model_path
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .request_state import RequestState
-from .sampler import SamplingTensors
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -162,7 +161,7 @@ class LLMEngine:
     def _run(self, plan) -> list[RequestOutput]:
         if self.fault_injector is not None:
             self.fault_injector.step([self._requests[int(h)] for h in plan.handles])
-        accepted, sampled = self.runner.execute(plan, self._sampling_tensors(plan))
+        accepted, sampled = self.runner.execute(plan, *self._sampling_arrays(plan))
         result = self.scheduler.commit(plan, accepted, sampled)
         self._record_spec(plan, accepted)
         return self._process(result)
@@ -189,7 +188,8 @@ class LLMEngine:
         self.scheduler.finish(handle, "error")
         return [self._finish(handle, "error", f"engine step failed: {e}")]
 
-    def _sampling_tensors(self, plan) -> SamplingTensors:
+    def _sampling_arrays(self, plan) -> tuple[dict[str, np.ndarray], bool]:
+        """Per sampled row, its request's parameters; and whether every row is greedy."""
         reqs = [self._requests[int(h)] for h in plan.handles]
         counts = np.diff(plan.sample_start)
         vocab = self.model_config.vocab_size
@@ -198,18 +198,16 @@ class LLMEngine:
             return np.repeat(np.asarray(values, dtype=dtype), counts)
 
         p = [r.params for r in reqs]
-        return SamplingTensors.from_numpy(
-            {
-                "greedy": col([x.greedy for x in p], np.bool_),
-                "temperature": col([max(x.temperature, 1e-5) for x in p], np.float32),
-                "top_k": col([x.effective_top_k(vocab) for x in p], np.int64),
-                "top_p": col([x.top_p for x in p], np.float32),
-                "min_p": col([x.min_p for x in p], np.float32),
-                "seed": col([r.seed for r in reqs], np.int64),
-                "position": plan.positions[plan.sample_rows] + 1,
-            },
-            self.runner.device,
-        )
+        greedy = [x.greedy for x in p]
+        return {
+            "greedy": col(greedy, np.bool_),
+            "temperature": col([max(x.temperature, 1e-5) for x in p], np.float32),
+            "top_k": col([x.effective_top_k(vocab) for x in p], np.int64),
+            "top_p": col([x.top_p for x in p], np.float32),
+            "min_p": col([x.min_p for x in p], np.float32),
+            "seed": col([r.seed for r in reqs], np.int64),
+            "position": plan.positions[plan.sample_rows] + 1,
+        }, all(greedy)
 
     def _record_spec(self, plan, accepted: np.ndarray) -> None:
         drafts = plan.num_drafts

@@ -29,6 +29,7 @@ class LLM:
         seed: int = 0,
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
     ):
         self.engine = LLMEngine(
             EngineConfig(
@@ -36,6 +37,7 @@ class LLM:
                 max_model_len=max_model_len, num_gpu_blocks_override=num_gpu_blocks_override,
                 max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, seed=seed,
                 block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
             )
         )
         self._ids = itertools.count()

@@ -23,6 +23,8 @@ from .config import EngineConfig
 from .kv_cache import KVCache
 from .models import load_draft, load_target
 from .ops.attention import AttentionMetadata
+from .decode_graph import DecodeGraphRunner
+from .ops.dispatch import use_kernels
 from .sampler import SamplingTensors, accept, sample
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,11 @@ class ModelRunner:
             self.model_config, self.draft.config if self.draft else None,
             self.num_pages, self.page_size, self.dtype, self.device,
         )
+        # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each.
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if use_kernels(self.kv.target[0][0]):
+            self.decode_graphs = DecodeGraphRunner(self, cfg.max_num_seqs, max_model_len, cfg.enforce_eager)
+            self.decode_graphs.capture()
 
     def _num_pages(self, cfg: EngineConfig, max_model_len: int) -> int:
         """Pages in the pool, null page included: the only capacity number."""
@@ -98,13 +105,28 @@ class ModelRunner:
     def _meta(self, slots, qsl, seq_lens, tables, causal: bool) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self._t(slots), query_start_loc=self._t(qsl), seq_lens=self._t(seq_lens),
-            block_tables=self._t(tables), causal=causal,
+            page_tables=self._t(tables), causal=causal, max_query_len=int(np.diff(qsl).max(initial=0)),
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
         )
 
+    def execute(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (accepted drafts per plan entry, sampled token per plan sample row).
+        `st`: per sample row, the owning request's sampling parameters (numpy)."""
+        if self.decode_graphs is not None and plan.num_decode == len(plan):
+            return self.decode_graphs.run(plan, st, all_greedy)
+        return self._execute_eager(plan, st, all_greedy)
+
+    def _sample(self, logits: torch.Tensor, st: dict[str, np.ndarray], all_greedy: bool) -> torch.Tensor:
+        t = SamplingTensors.from_numpy(st, self.device)
+        if not use_kernels(logits):
+            return sample(logits, t)
+        from .kernels import sampling
+
+        return sampling.sample(logits, t.greedy, t.temperature, t.top_k, t.top_p, t.min_p, t.seed, t.position,
+                               all_greedy=all_greedy)
+
     @torch.inference_mode()
-    def execute(self, plan, st: SamplingTensors) -> tuple[np.ndarray, np.ndarray]:
-        """Returns (accepted drafts per plan entry, sampled token per plan sample row)."""
+    def _execute_eager(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
         input_ids = self._t(plan.input_ids)
         draft_tokens = None
         n_dec = plan.num_decode
@@ -124,11 +146,12 @@ class ModelRunner:
             # Every row's taps become draft context now, at its own slot (see module doc).
             self.draft.write_context(taps, positions, slots, self.kv)
         logits = self.target.compute_logits(hidden[self._t(plan.sample_rows)])
-        sampled = sample(logits, st)
+        sampled = self._sample(logits, st, all_greedy)
 
         accepted = torch.zeros(len(plan), dtype=torch.int64, device=self.device)
         if draft_tokens is not None:
             b = plan.block_rows
             rows = self._t(plan.sample_start[:n_dec])[:, None] + torch.arange(b, device=self.device)
             accepted[:n_dec] = accept(draft_tokens.view(n_dec, b - 1), sampled[rows])
-        return accepted.cpu().numpy(), sampled.cpu().numpy()
+        out = torch.cat([accepted, sampled]).cpu().numpy()  # one device-to-host copy
+        return out[:len(plan)], out[len(plan):]

@@ -11,10 +11,11 @@ import dataclasses
 
 from torch import Tensor, nn
 
-from ..ops.attention import AttentionMetadata, write_kv
+from ..ops import dispatch
+from ..ops.attention import AttentionMetadata
 from ..ops.norm import RMSNorm
 from .config import DraftConfig
-from .layers import DecoderLayer, Linear, make_rotary
+from .layers import DecoderLayer, Linear, make_rotary, run_layers
 
 
 class DFlashDraftModel(nn.Module):
@@ -30,19 +31,17 @@ class DFlashDraftModel(nn.Module):
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor, kv) -> None:
         """taps [N, n_taps*H] at absolute `positions` -> draft K/V of every layer at `slot_mapping`."""
-        ctx = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        norm = self.hidden_norm
+        ctx = dispatch.rms_norm(self.fc(taps.to(self.fc.weight.dtype)), norm.weight, norm.eps)
         cos, sin = self.rotary(positions, ctx.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv.draft):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
-            write_kv(k_cache, v_cache, k, v, slot_mapping)
+            dispatch.store_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def forward(self, input_embeds: Tensor, positions: Tensor, meta: AttentionMetadata, kv) -> Tensor:
         """Block rows -> final-normed hidden. Block K/V land at meta.slot_mapping as scratch."""
         if meta.causal:
             # Draft attention is non-causal by definition (every block row sees the whole block).
             meta = dataclasses.replace(meta, causal=False)
-        x = input_embeds
-        cos, sin = self.rotary(positions, x.dtype)
-        for layer, kv_layer in zip(self.layers, kv.draft):
-            x = layer(x, cos, sin, meta, kv_layer)
-        return self.norm(x)
+        cos, sin = self.rotary(positions, input_embeds.dtype)
+        return run_layers(self.layers, input_embeds, cos, sin, meta, kv.draft, self.norm)[0]

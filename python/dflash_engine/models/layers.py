@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.activation import silu_and_mul
-from ..ops.attention import AttentionMetadata, paged_attention, write_kv
+from ..ops import dispatch
+from ..ops.attention import AttentionMetadata
 from ..ops.norm import RMSNorm
 from ..ops.rotary import RotaryEmbedding, apply_rotary
 from .config import ModelConfig
@@ -61,6 +61,7 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.eps = cfg.rms_norm_eps
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias, h = cfg.attention_bias, cfg.hidden_size
@@ -72,36 +73,29 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _q_heads(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q = q.view(-1, self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rotary(q, cos, sin)
-
-    def _kv_heads(self, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return apply_rotary(k, cos, sin), v.view(-1, self.num_kv_heads, self.head_dim)
-
     def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """K (normed, rotated) and V only, from the k, v rows of qkv_proj (a view, no copy):
         the draft's context write computes no q."""
         weight = self.qkv_proj.weight[self.q_size:]
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size:]
         k, v = invariant_linear(x, weight, bias).split(self.kv_size, dim=-1)
-        return self._kv_heads(k, v, cos, sin)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = dispatch.rms_norm(k, self.k_norm.weight, self.eps)
+        return apply_rotary(k, cos, sin), v.view(-1, self.num_kv_heads, self.head_dim)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_layer: KVLayer
     ) -> Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self._q_heads(q, cos, sin)
-        k, v = self._kv_heads(k, v, cos, sin)
+        q, k, v = dispatch.qk_norm_rope(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight, self.eps,
+        )
         k_cache, v_cache = kv_layer
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        dispatch.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -115,13 +109,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(silu_and_mul(gate, up))
+        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer; returns the residual stream after the layer."""
+    """Pre-norm decoder layer in the fused-residual form: takes (sublayer output, residual
+    stream) and returns the same pair, so each residual add is fused with the RMSNorm that
+    reads it. The residual stream after layer L (what the draft taps) is `x + residual`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -131,10 +125,32 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_layer: KVLayer
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
+        kv_layer: KVLayer,
+    ) -> tuple[Tensor, Tensor]:
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:  # first layer: x is the embedding, the stream starts here
+            h, residual = dispatch.rms_norm(x, norm1.weight, norm1.eps), x
+        else:
+            h, residual = dispatch.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h = self.self_attn(h, cos, sin, meta, kv_layer)
+        h, residual = dispatch.add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        return self.mlp(h), residual
+
+
+def run_layers(layers, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_layers,
+               final_norm: RMSNorm, tap_layers: list[int] | None = None) -> tuple[Tensor, Tensor | None]:
+    """A stack of decoder layers -> (final-normed hidden, concatenated taps or None)."""
+    tapped: dict[int, Tensor] = {}
+    wanted = set(tap_layers or ())
+    residual = None
+    for i, (layer, kv_layer) in enumerate(zip(layers, kv_layers)):
+        x, residual = layer(x, residual, cos, sin, meta, kv_layer)
+        if i in wanted:
+            tapped[i] = x + residual
+    out, _ = dispatch.add_rms_norm(x, residual, final_norm.weight, final_norm.eps)
+    taps = torch.cat([tapped[i] for i in tap_layers], dim=-1) if tap_layers else None
+    return out, taps
 
 
 class DecoderModel(nn.Module):
@@ -171,16 +187,8 @@ class CausalLM(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        # tap_layers (the draft's target_layer_ids) are range-checked once, at draft load
-        # (validate_draft_against_target).
-        tapped: dict[int, Tensor] = {}
-        wanted = set(tap_layers or ())
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta, kv.target[i])
-            if i in wanted:
-                tapped[i] = x
-        taps = torch.cat([tapped[i] for i in tap_layers], dim=-1) if tap_layers else None
-        return self.model.norm(x), taps
+        # tap_layers (the draft's target_layer_ids) are range-checked once, at draft load.
+        return run_layers(self.model.layers, x, cos, sin, meta, kv.target, self.model.norm, tap_layers)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -13,30 +13,36 @@ from torch import Tensor
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: Tensor  # [T] int64: where row t's K/V is written (page*block_size + offset)
+    """Device tensors plus static maxima: what a kernel launch (and a CUDA graph) needs.
+    The host lists are only for the reference loop; they are derived when absent."""
+
+    slot_mapping: Tensor  # [T] int64: where row t's K/V is written (page*page_size + offset; < 0: nowhere)
     query_start_loc: Tensor  # [R+1] int32: rows of request r are [qsl[r], qsl[r+1])
     seq_lens: Tensor  # [R] int32: context length of request r after this step's rows
-    block_tables: Tensor  # [R, max_pages] int32, padded with page 0 (the null page)
+    page_tables: Tensor  # [R, max_pages] int32, padded with page 0 (the null page)
     causal: bool
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
+    max_query_len: int  # >= every request's q_len (fixes kernel grids)
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.seq_lens_cpu)
+    def host_lists(self) -> tuple[list[int], list[int]]:
+        if self.query_start_loc_cpu is None or self.seq_lens_cpu is None:
+            self.query_start_loc_cpu = self.query_start_loc.tolist()
+            self.seq_lens_cpu = self.seq_lens.tolist()
+        return self.query_start_loc_cpu, self.seq_lens_cpu
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter rows k, v [T, n_kv, head_dim] into caches [num_pages, block_size, n_kv, head_dim]."""
+    """Scatter rows k, v [T, n_kv, head_dim] into caches [num_pages, page_size, n_kv, head_dim]."""
     n_kv, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
+def gather_kv(cache: Tensor, page_table: Tensor, seq_len: int) -> Tensor:
     """Positions [0, seq_len) of one request: [seq_len, n_kv, head_dim]."""
-    block_size = cache.shape[1]
-    pages = block_table[: -(-seq_len // block_size)].long()
+    page_size = cache.shape[1]
+    pages = page_table[: -(-seq_len // page_size)].long()
     return cache[pages].flatten(0, 1)[:seq_len]
 
 
@@ -46,14 +52,15 @@ def paged_attention(
     """q [T, n_heads, head_dim] -> [T, n_heads, head_dim]; softmax in float32."""
     n_heads = q.shape[1]
     out = torch.empty_like(q)
-    for r in range(meta.num_requests):
-        start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
-        seq_len = meta.seq_lens_cpu[r]
+    qsl, seq_lens = meta.host_lists()
+    for r in range(len(seq_lens)):
+        start, end = qsl[r], qsl[r + 1]
+        seq_len = seq_lens[r]
         q_len = end - start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, meta.block_tables[r], seq_len).float()
-        v = gather_kv(v_cache, meta.block_tables[r], seq_len).float()
+        k = gather_kv(k_cache, meta.page_tables[r], seq_len).float()
+        v = gather_kv(v_cache, meta.page_tables[r], seq_len).float()
         groups = n_heads // k.shape[1]
         k = k.repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, S, D]
         v = v.repeat_interleave(groups, dim=1).transpose(0, 1)

@@ -1,0 +1,182 @@
+"""Step time of the GPU decode step beside its floor (issue: the fast GPU step).
+
+    python bench/bench_step.py --target QWEN3_8B_DIR --draft DRAFT_DIR \
+        [--context 1024] [--concurrency 1,2,4,8,16,32] [--steps 30] [--json OUT.json]
+
+In one run: the ceilings (device copy GB/s, bf16 GEMM TFLOP/s, bench/ceilings.py), then for
+spec-off decode (B = 1) and draft+verify (B = 16: 15 draft tokens), at each concurrency c:
+c requests with `--context`-token random prompts are prefilled, then
+  - step (graph): CUDA events around replays of the captured decode graph of that bucket;
+  - draft / verify: the same, for graphs of the draft pass alone and the verify pass alone
+    (verify = target pass + draft-context write + logits); rest = step - draft - verify
+    (sampling, acceptance, input unpacking);
+  - engine step: wall time of `LLMEngine.step()` (schedule + stage + replay + commit + outputs);
+  - floor: max(weight + KV bytes / copy rate, FLOPs / GEMM rate) of that step.
+Random weights accept no drafts, so contexts grow by one token per step (timing is unaffected).
+On a machine without a GPU it runs the same flow eagerly (perf_counter), as a smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ceilings  # noqa: E402
+
+from dflash_engine import SamplingParams, _core  # noqa: E402
+from dflash_engine.config import EngineConfig  # noqa: E402
+from dflash_engine.engine import LLMEngine  # noqa: E402
+
+
+def _timer(device: torch.device, fn, repeats: int) -> float:
+    """Median ms of `fn()`."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _phase_graph(dg, bs: int, phase: str):
+    """A callable that runs one phase of the decode step (captured when on a GPU)."""
+
+    def run():
+        x = dg._inputs(bs)
+        if phase == "draft":
+            dg._draft(bs, x)
+        else:
+            dg._verify(bs, x, x["input_ids"])
+
+    if dg.device.type != "cuda":
+        return run
+    with torch.inference_mode():
+        stream = torch.cuda.Stream(dg.device)
+        stream.wait_stream(torch.cuda.current_stream(dg.device))
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream(dg.device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=dg.pool):
+            run()
+    return g.replay
+
+
+def _prefill(engine: LLMEngine, c: int, context: int, rng: np.random.Generator, max_tokens: int) -> None:
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"bench-{c}-{i}" for i in range(c)]
+    for rid in ids:
+        engine.add_request(rid, rng.integers(100, min(vocab, 100_000), size=context).tolist(), params)
+    while True:
+        engine.step()
+        states = [engine._requests[engine.scheduler.handle_of(r)] for r in ids]
+        if all(s.token_ids for s in states):
+            return
+
+
+def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: torch.device) -> list[dict]:
+    conc = [int(c) for c in args.concurrency.split(",")]
+    max_c = max(conc)
+    b = (spec or {}).get("num_speculative_tokens", 0) + 1
+    max_len = args.context + args.steps * 4 + 64
+    pages = max_c * _core.pages_per_seq(max_len, b - 1, 16) + 16
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(
+        model=args.target, speculative_config=spec, max_num_seqs=max_c, max_model_len=max_len,
+        num_gpu_blocks_override=pages, dtype=args.dtype, device=args.device,
+        max_num_batched_tokens=max(8192, b * max_c),
+    ))
+    dg = engine.runner.decode_graphs
+    print(f"# {'spec on' if spec else 'spec off'}: engine ready in {time.perf_counter() - t0:.1f} s; "
+          f"graphs {len(dg.graphs) if dg else 0}, capture {dg.capture_seconds if dg else 0:.1f} s, "
+          f"graph memory {(dg.graph_bytes if dg else 0) / 2**20:.0f} MiB", flush=True)
+    target_cfg = json.loads((Path(args.target) / "config.json").read_text())
+    draft_cfg = json.loads((Path(spec["model"]) / "config.json").read_text()) if spec else None
+    rng = np.random.default_rng(0)
+    rows = []
+    for c in conc:
+        _prefill(engine, c, args.context, rng, max_tokens=args.steps * 3 + 32)
+        # engine steps: host included
+        t = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step()
+            t.append((time.perf_counter() - t0) * 1e3)
+        engine_ms = statistics.median(t)
+        row = {"mode": "draft+verify" if spec else "decode", "c": c, "B": b, "engine_step_ms": engine_ms}
+        if dg is not None:
+            bs = dg.bucket(c)
+            if dg.device.type == "cuda" and not dg.enforce_eager:
+                step = dg.graphs[(bs, True)].replay
+            else:
+                def step():
+                    dg._step(bs, True)
+            row["step_ms"] = _timer(device, step, args.steps)
+            row["verify_ms"] = _timer(device, _phase_graph(dg, bs, "verify"), args.steps)
+            row["draft_ms"] = _timer(device, _phase_graph(dg, bs, "draft"), args.steps) if spec else 0.0
+            row["rest_ms"] = row["step_ms"] - row["verify_ms"] - row["draft_ms"]
+        fl = ceilings.step_floor(target_cfg, draft_cfg, batch_size=c, context_len=args.context, rows_per_request=b,
+                                 draft_pass=spec is not None, copy_gbs=copy_gbs, gemm_tflops=tflops)
+        row.update(floor_ms=fl.floor_ms, floor_bound=fl.bound)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        for rid in [f"bench-{c}-{i}" for i in range(c)]:
+            engine.abort_request(rid)
+    del engine, dg
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--num-speculative-tokens", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--modes", default="off,on")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    copy_gbs = ceilings.copy_bandwidth_gbs(device)
+    tflops = ceilings.gemm_tflops(device)
+    print(f"# ceilings on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (smoke run)'}: "
+          f"copy {copy_gbs:,.1f} GB/s, bf16 GEMM {tflops:,.1f} TFLOP/s", flush=True)
+    rows = []
+    spec = {"method": "dflash", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens}
+    for mode in args.modes.split(","):
+        rows += run_mode(args, spec if mode == "on" else None, copy_gbs, tflops, device)
+    print(f"\n| mode | c | step (graph) ms | draft ms | verify ms | rest ms | floor ms | step/floor | engine step ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        s = r.get("step_ms", float("nan"))
+        print(f"| {r['mode']} | {r['c']} | {s:.2f} | {r.get('draft_ms', 0):.2f} | {r.get('verify_ms', 0):.2f} | "
+              f"{r.get('rest_ms', 0):.2f} | {r['floor_ms']:.2f} ({r['floor_bound']}) | {s / r['floor_ms']:.2f}x | "
+              f"{r['engine_step_ms']:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_gbs": copy_gbs, "gemm_tflops": tflops, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,265 @@
+"""The pure-decode step on the GPU: one fixed-shape function per batch-size bucket, captured
+as one CUDA graph and replayed (GPU.md, "One step, one graph").
+
+A decode step has B rows per request (B = 1 with speculation off), so its shape is fixed by
+the number of requests. Requests are padded up to the next bucket (1, 2, 4, 8, 16, 24, 32,
+... up to max_num_seqs). Inside the step, all on persistent device buffers:
+
+    draft pass (non-causal, B rows per request) -> draft logits -> argmax -> drafts
+    verify pass (causal, [bonus, drafts])       -> draft-context write for all B rows
+    logits -> sampling (keyed by seed, position) -> acceptance (compare, cumulative product)
+
+Host side per step: the plan's arrays are packed into one pinned int64 buffer and one pinned
+float32 buffer, copied to the device in two async copies; the graph unpacks them. The
+results (sampled tokens, then accepted counts) come back in one device-to-host copy.
+
+Padding requests have q_len 0, seq_len 0, page table of null pages and slot -1: attention
+gives them nothing, the KV store skips them, and their rows' garbage never reaches a real
+row (every op here is row-wise or per request). Eager mode (`enforce_eager`) runs the same
+function on the same padded shapes, so graphs and eager give the same tokens.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _core
+from .kernels import sampling as ksampling
+from .ops.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 40, ... capped by (and including) max_num_seqs."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b = b * 2 if b < 16 else b + 8
+    out.append(max_num_seqs)
+    return sorted(set(out))
+
+
+# Packed layout of the int64 staging buffer, per field: (name, rows per request or "req+1").
+@dataclass
+class _Layout:
+    max_bs: int
+    b: int
+    width: int  # page-table columns
+
+    def fields(self) -> list[tuple[str, int]]:
+        n = self.max_bs * self.b
+        return [("input_ids", n), ("positions", n), ("slots", n), ("qsl", self.max_bs + 1),
+                ("seq_lens", self.max_bs), ("pages", self.max_bs * self.width),
+                ("top_k", n), ("seed", n), ("greedy", n)]
+
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        out, at = {}, 0
+        for name, size in self.fields():
+            out[name] = (at, size)
+            at += size
+        return out
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+class DecodeGraphRunner:
+    """Owns the static buffers and the captured graphs of the decode step."""
+
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, enforce_eager: bool):
+        self.r = runner
+        self.device = runner.device
+        self.b = runner.num_speculative_tokens + 1
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_bs = self.buckets[-1]
+        self.width = _core.pages_per_seq(max_model_len, runner.num_speculative_tokens, runner.page_size)
+        on_gpu = self.device.type == "cuda"
+        self.enforce_eager = enforce_eager or not on_gpu  # (CPU: the interpreter test mode)
+        self.layout = _Layout(self.max_bs, self.b, self.width)
+        self.offsets = self.layout.offsets()
+        total = sum(size for _, size in self.layout.fields())
+        n = self.max_bs * self.b
+        dev = self.device
+        self.host_i64 = torch.zeros(total, dtype=torch.int64, pin_memory=on_gpu)
+        self.host_f32 = torch.zeros(3 * n, dtype=torch.float32, pin_memory=on_gpu)
+        self.dev_i64 = torch.zeros(total, dtype=torch.int64, device=dev)
+        self.dev_f32 = torch.zeros(3 * n, dtype=torch.float32, device=dev)
+        # Typed static inputs, filled from the packed buffers inside the step.
+        self.qsl = torch.zeros(self.max_bs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
+        self.pages = torch.zeros(self.max_bs, self.width, dtype=torch.int32, device=dev)
+        # Rows 1..B-1 of each block: where drafts go, and the draft rows whose logits are read.
+        rows = torch.arange(n, device=dev).view(self.max_bs, self.b)[:, 1:]
+        self.verify_rows = rows.reshape(-1).contiguous()
+        self.out = torch.zeros(n + self.max_bs, dtype=torch.int64, device=dev)
+        self.host_out = torch.zeros(n + self.max_bs, dtype=torch.int64, pin_memory=on_gpu)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.graph_bytes = 0
+
+    # ---- host side --------------------------------------------------------------------
+    def bucket(self, num_reqs: int) -> int:
+        for bs in self.buckets:
+            if bs >= num_reqs:
+                return bs
+        raise ValueError(f"{num_reqs} decoding requests exceed max_num_seqs ({self.max_bs})")
+
+    def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        at, size = self.offsets[name]
+        return buf[at:at + size]
+
+    def _stage(self, plan, st: dict[str, np.ndarray], bs: int) -> None:
+        """Pack the plan (padded to `bs` requests) into the pinned buffers."""
+        r, b, n = len(plan), self.b, bs * self.b
+        v = {name: self._view(self.host_i64, name).numpy() for name, _ in self.layout.fields()}
+        rows = r * b
+        v["input_ids"][:rows] = plan.input_ids
+        v["input_ids"][rows:n] = 0
+        v["positions"][:rows] = plan.positions
+        v["positions"][rows:n] = 0
+        v["slots"][:rows] = plan.slot_mapping
+        v["slots"][rows:n] = -1
+        v["qsl"][:r + 1] = plan.query_start_loc
+        v["qsl"][r + 1:bs + 1] = rows
+        v["seq_lens"][:r] = plan.seq_lens
+        v["seq_lens"][r:bs] = 0
+        pages = v["pages"][:bs * self.width].reshape(bs, self.width)
+        pages[:] = 0
+        pt = plan.page_tables
+        pages[:r, :pt.shape[1]] = pt
+        v["top_k"][:rows] = st["top_k"]
+        v["top_k"][rows:n] = 1
+        v["seed"][:rows] = st["seed"]
+        v["seed"][rows:n] = 0
+        v["greedy"][:rows] = st["greedy"]
+        v["greedy"][rows:n] = 1
+        f = self.host_f32.numpy()
+        big = self.max_bs * self.b
+        for i, name in enumerate(_FLOAT_FIELDS):
+            f[i * big:i * big + rows] = st[name]
+            f[i * big + rows:i * big + n] = 1.0
+
+    # ---- the step (device side; captured) --------------------------------------------------
+    def _inputs(self, bs: int) -> dict[str, torch.Tensor]:
+        """Unpack the staged buffers into typed views / static buffers for `bs` requests."""
+        n = bs * self.b
+        i64 = {name: self._view(self.dev_i64, name) for name, _ in self.layout.fields()}
+        big = self.max_bs * self.b
+        self.qsl[:bs + 1].copy_(i64["qsl"][:bs + 1])
+        self.seq_lens[:bs].copy_(i64["seq_lens"][:bs])
+        self.pages[:bs].copy_(i64["pages"][:bs * self.width].view(bs, self.width))
+        x = {name: i64[name][:n] for name in ("input_ids", "positions", "slots", "top_k", "seed", "greedy")}
+        x.update({name: self.dev_f32[i * big:i * big + n] for i, name in enumerate(_FLOAT_FIELDS)})
+        return x
+
+    def _meta(self, bs: int, slots: torch.Tensor, causal: bool) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=slots, query_start_loc=self.qsl[:bs + 1], seq_lens=self.seq_lens[:bs],
+                                 page_tables=self.pages[:bs], causal=causal, max_query_len=self.b)
+
+    def _draft(self, bs: int, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft pass: [bonus, MASK...] blocks -> drafts [bs*(B-1)]; returns (verify ids, drafts)."""
+        r = self.r
+        h = r.draft(r.target.embed(x["input_ids"]), x["positions"], self._meta(bs, x["slots"], False), r.kv)
+        vrows = self.verify_rows[:bs * (self.b - 1)]
+        drafts = r.target.compute_logits(h[vrows]).argmax(-1)
+        return x["input_ids"].index_put((vrows,), drafts), drafts
+
+    def _verify(self, bs: int, x: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        """Target pass over the blocks, and the draft-context write for all rows -> logits."""
+        r = self.r
+        hidden, taps = r.target(ids, x["positions"], self._meta(bs, x["slots"], True), r.kv, r.tap_layers)
+        if r.draft is not None:
+            r.draft.write_context(taps, x["positions"], x["slots"], r.kv)
+        return r.target.compute_logits(hidden)
+
+    def _step(self, bs: int, all_greedy: bool) -> None:
+        n = bs * self.b
+        x = self._inputs(bs)
+        ids, drafts = self._draft(bs, x) if self.r.draft is not None else (x["input_ids"], None)
+        logits = self._verify(bs, x, ids)
+        sampled = self.out[:n]
+        ksampling.sample(
+            logits, x["greedy"].bool(), x["temperature"], x["top_k"], x["top_p"], x["min_p"],
+            x["seed"], x["positions"] + 1, all_greedy=all_greedy, out=sampled,
+        )
+        if drafts is not None:
+            ksampling.accept(drafts.view(bs, self.b - 1), sampled.view(bs, self.b), out=self.out[n:n + bs])
+
+    # ---- capture and replay ----------------------------------------------------------------
+    def capture(self, modes: tuple[bool, ...] = (True,)) -> None:
+        """Capture the step for every bucket (largest first, sharing one memory pool)."""
+        if self.enforce_eager:
+            return
+        self._reset_inputs()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        for all_greedy in modes:
+            for bs in reversed(self.buckets):
+                self._capture_one(bs, all_greedy)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds += time.perf_counter() - t0
+        self.graph_bytes += max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        logger.info("captured %d decode graphs (buckets %s) in %.1f s, %.0f MiB", len(self.graphs),
+                    self.buckets, self.capture_seconds, self.graph_bytes / 2**20)
+
+    def _reset_inputs(self) -> None:
+        # Capture-time inputs: every request a padding request (writes nothing anywhere).
+        h = self.host_i64.numpy()
+        h[:] = 0
+        self._view(self.host_i64, "slots").numpy()[:] = -1
+        self._view(self.host_i64, "greedy").numpy()[:] = 1
+        self._view(self.host_i64, "top_k").numpy()[:] = 1
+        self.host_f32.numpy()[:] = 1.0
+        self.dev_i64.copy_(self.host_i64)
+        self.dev_f32.copy_(self.host_f32)
+
+    @torch.inference_mode()
+    def _capture_one(self, bs: int, all_greedy: bool) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                self._step(bs, all_greedy)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self._step(bs, all_greedy)
+        if self.pool is None:
+            self.pool = g.pool()
+        self.graphs[(bs, all_greedy)] = g
+
+    @torch.inference_mode()
+    def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(accepted per request, sampled per row) of a pure-decode plan."""
+        r = len(plan)
+        bs = self.bucket(r)
+        n = bs * self.b
+        self._stage(plan, st, bs)
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        self.dev_f32.copy_(self.host_f32, non_blocking=True)
+        key = (bs, all_greedy)
+        if not self.enforce_eager and key not in self.graphs:
+            # First sampled step at this size: capture now (greedy graphs exist from startup).
+            self._reset_inputs()
+            self._capture_one(bs, all_greedy)
+            self._stage(plan, st, bs)
+            self.dev_i64.copy_(self.host_i64, non_blocking=True)
+            self.dev_f32.copy_(self.host_f32, non_blocking=True)
+        if self.enforce_eager:
+            self._step(bs, all_greedy)
+        else:
+            self.graphs[key].replay()
+        self.host_out[:n + bs].copy_(self.out[:n + bs], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        out = self.host_out.numpy()
+        sampled = out[:r * self.b].copy()
+        accepted = out[n:n + r].copy() if self.r.draft is not None else np.zeros(r, np.int64)
+        return accepted, sampled

@@ -1,0 +1,93 @@
+"""One name per hot op: the torch reference twin on CPU, the Triton kernel on CUDA.
+
+The CPU path is the oracle (float32, batch-invariant, exact spec-on == spec-off); the GPU
+path is the fast one. `DFLASH_REFERENCE_OPS=1` runs the references on the GPU too (for
+comparing the two on the device). Models call only these functions, so one model code
+serves both devices and the CUDA-graph step.
+
+`DFLASH_KERNELS_ON_CPU=1` (with `TRITON_INTERPRET=1`) runs the kernel path on CPU tensors
+under Triton's interpreter: slow, but it lets CI drive the whole GPU step (kernels, the
+padded decode step) on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from . import activation as _act
+from . import attention as _attn
+from . import norm as _norm
+from . import rotary as _rot
+
+_REFERENCE_ON_GPU = os.environ.get("DFLASH_REFERENCE_OPS", "") == "1"
+
+
+def kernels_on_cpu() -> bool:
+    return os.environ.get("DFLASH_KERNELS_ON_CPU", "") == "1"
+
+
+def use_kernels(x: Tensor) -> bool:
+    if x.is_cuda:
+        return not _REFERENCE_ON_GPU
+    return kernels_on_cpu()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if use_kernels(x):
+        from ..kernels import norm
+
+        return norm.rms_norm(x, weight, eps)
+    return _norm.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    if use_kernels(x):
+        from ..kernels import norm
+
+        return norm.add_rms_norm(x, residual, weight, eps)
+    return _norm.add_rms_norm(x, residual, weight, eps)
+
+
+def qk_norm_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: Tensor, sin: Tensor,
+                 q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Merged qkv [T, (H+2KV)*D] -> q, k (per-head RMSNorm when weights are given, then RoPE), v."""
+    fn = _rot.qk_norm_rope
+    if use_kernels(qkv):
+        from ..kernels import rotary
+
+        fn = rotary.qk_norm_rope
+    return fn(qkv, num_heads, num_kv_heads, head_dim, cos, sin, q_norm_weight, k_norm_weight, eps)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """Merged gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+    if use_kernels(gate_up):
+        from ..kernels import activation
+
+        return activation.silu_and_mul(gate_up)
+    return _act.silu_and_mul(gate_up)
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Rows k, v [T, n_kv, D] into the paged caches at `slot_mapping` (kernel: slot < 0 skipped)."""
+    if use_kernels(k):
+        from ..kernels import attention
+
+        attention.store_kv(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        _attn.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _attn.AttentionMetadata, scale: float
+                    ) -> Tensor:
+    if use_kernels(q):
+        from ..kernels import attention
+
+        return attention.paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables, scale,
+            meta.causal, meta.max_query_len,
+        )
+    return _attn.paged_attention(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,91 @@
+"""The GPU step (Triton kernels, the padded decode step, CUDA graphs) against the reference.
+
+On CPU, `DFLASH_KERNELS_ON_CPU=1` runs the kernel path under Triton's interpreter with the
+decode step in eager mode: same kernels, same padding and staging as on the GPU, so CI
+catches a broken GPU step. On a GPU (the device machine) the graph tests run too.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.decode_graph import DecodeGraphRunner, batch_buckets
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+CUDA = torch.cuda.is_available()
+
+
+def prompts(n: int, seed: int = 3) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, 250, size=int(rng.integers(3, 20))).tolist()} for _ in range(n)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def spec(draft_dir) -> dict:
+    return {"method": "dflash", "model": str(draft_dir)}
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert batch_buckets(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    if CUDA:
+        pytest.skip("the interpreter mode is for machines without a GPU")
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+
+
+def test_kernel_step_on_cpu_matches_the_reference(qwen3_dir, random_draft_dir, kernels_on_cpu, monkeypatch):
+    """Spec on, 3 requests (bucket 4: one padding request), through the decode step."""
+    ps = prompts(3)
+    runs = []
+    real_run = DecodeGraphRunner.run
+
+    def counting_run(self, *a, **k):
+        runs.append(1)
+        return real_run(self, *a, **k)
+
+    monkeypatch.setattr(DecodeGraphRunner, "run", counting_run)
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, speculative_config=spec(random_draft_dir))
+    assert llm.engine.runner.decode_graphs is not None
+    fast = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
+    assert runs, "the decode step ran"
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    ref = tokens(LLM(model=str(qwen3_dir), device="cpu").generate(ps, GREEDY, use_tqdm=False))
+    assert fast == ref
+
+
+def test_kernel_step_on_cpu_spec_off_with_sampling(qwen3_dir, kernels_on_cpu, monkeypatch):
+    ps = prompts(2, seed=5)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=6, ignore_eos=True, seed=7)
+    fast = tokens(LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=2).generate(ps, params, use_tqdm=False))
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    ref = tokens(LLM(model=str(qwen3_dir), device="cpu").generate(ps, params, use_tqdm=False))
+    assert fast == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_dir, dtype):
+    ps = prompts(12)
+    kw = dict(model=str(qwen3_dir), device="cuda", dtype=dtype, max_num_seqs=8, num_gpu_blocks_override=256)
+    graphs = LLM(**kw, speculative_config=spec(random_draft_dir))
+    assert graphs.engine.runner.decode_graphs.graphs, "graphs were captured"
+    on = tokens(graphs.generate(ps, GREEDY, use_tqdm=False))
+    del graphs
+    eager = tokens(LLM(**kw, speculative_config=spec(random_draft_dir), enforce_eager=True)
+                   .generate(ps, GREEDY, use_tqdm=False))
+    assert on == eager, "graph replay and eager mode give the same tokens"
+    off = tokens(LLM(**kw).generate(ps, GREEDY, use_tqdm=False))
+    same = sum(a == b for a, b in zip(on, off))
+    assert same >= (len(ps) if dtype == "float32" else len(ps) - 2), (same, len(ps))
