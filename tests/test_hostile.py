@@ -149,7 +149,7 @@ def _number_verdict(name: str, v: int | float) -> tuple[str, str | None]:
     if name == "min_p":
         return ("200" if 0 <= v <= 1 else "4xx"), name
     if name in ("presence_penalty", "frequency_penalty"):
-        return ("200" if v == 0 else "4xx"), None  # unsupported unless 0
+        return ("200" if v == 0 else "4xx"), name  # unsupported unless 0
     if not in_int64:
         return "4xx", name  # a float, or an integer the engine cannot store
     if name == "top_k":
@@ -157,7 +157,7 @@ def _number_verdict(name: str, v: int | float) -> tuple[str, str | None]:
     if name == "seed":
         return "200", name
     if name == "n":
-        return ("200" if v == 1 else "4xx"), None
+        return ("200" if v == 1 else "4xx"), name
     # max_tokens / max_completion_tokens: every limit is reported as max_tokens
     return ("200" if 1 <= v <= 8 else "4xx"), "max_tokens"
 
@@ -520,3 +520,52 @@ def test_hostile_requests_among_normal_ones(hostile_server, monkeypatch):
     r = httpx.post(f"{server.base_url}/completions",
                    json={"model": MODEL_NAME, "prompt": "after", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.headers["x-request-id"].startswith("cmpl-")
+
+
+def test_failed_step_spares_its_innocent_requests_exactly(fresh_server):
+    """A step that fails because of one request (here: any step holding the 'boom' prompt
+    raises) is retried one request at a time by the engine: the culprit alone fails, and
+    every innocent request of that step finishes with exactly its output when run alone."""
+    server = fresh_server()
+    decode = server.engine.tokenizer.decode
+
+    class Boom:
+        def step(self, requests: list[Any]) -> None:
+            if any("boom" in decode(r.prompt_token_ids) for r in requests):
+                raise RuntimeError("injected step fault")
+
+        def request(self, request: Any) -> None:
+            pass
+
+    bodies = [{"model": MODEL_NAME, "prompt": f"innocent {i} {WORDS[i]}", "max_tokens": 20,
+               "temperature": 0, "ignore_eos": True} for i in range(5)]
+
+    async def scenario() -> tuple[list[str], list[str], httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            url = f"{server.base_url}/completions"
+            alone = [(await client.post(url, json=b)).json()["choices"][0]["text"] for b in bodies]
+            server.engine.fault_injector = Boom()
+
+            async def streamed(b: dict, started: asyncio.Event) -> str:
+                text = ""
+                async with client.stream("POST", url, json={**b, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            started.set()
+                            event = json.loads(line[6:])
+                            assert "error" not in event, event
+                            text += event["choices"][0]["text"]
+                return text
+
+            started = [asyncio.Event() for _ in bodies]
+            tasks = [asyncio.create_task(streamed(b, e)) for b, e in zip(bodies, started)]
+            await asyncio.gather(*(e.wait() for e in started))  # all five are decoding
+            boom = await client.post(url, json={**bodies[0], "prompt": "boom", "max_tokens": 8})
+            return alone, await asyncio.gather(*tasks), boom
+
+    alone, texts, boom = asyncio.run(scenario())
+    assert boom.status_code == 500 and "injected step fault" in boom.json()["error"]["message"]
+    assert texts == alone
+    stats = server.wait_idle()
+    assert stats.num_running == 0 and stats.kv_cache_usage == 0

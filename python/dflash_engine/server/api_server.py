@@ -392,7 +392,7 @@ def build_app(
         req = await _read_json(request, p.CompletionRequest, max_body_bytes)
         check_model(req.model)
         if (why := req.unsupported()) is not None:
-            raise p.bad_request(why)
+            raise p.bad_request(*why)
         prompt_ids, prompt = await completion_prompt(req)
         max_tokens = _resolve_max_tokens(req.max_tokens, len(prompt_ids), max_model_len)
         params = _sampling_params(req, max_tokens, vocab_size)
@@ -405,7 +405,7 @@ def build_app(
         req = await _read_json(request, p.ChatCompletionRequest, max_body_bytes)
         check_model(req.model)
         if (why := req.unsupported()) is not None:
-            raise p.bad_request(why)
+            raise p.bad_request(*why)
         prompt_ids = check_ids(await render_chat(req.messages, req.add_generation_prompt),
                                "messages")
         max_tokens = _resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), max_model_len)

@@ -82,17 +82,19 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
+        """(message, field) for the first field that asks for something not served."""
         if self.n != 1:
-            return f"only n=1 is supported, got n={self.n}"
+            return f"only n=1 is supported, got n={self.n}", "n"
         if self.logprobs not in (None, False):
-            return "logprobs are not supported"
-        if self.presence_penalty not in (None, 0.0) or self.frequency_penalty not in (None, 0.0):
-            return "presence_penalty and frequency_penalty are not supported (use 0)"
+            return "logprobs are not supported", "logprobs"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                return f"{name} is not supported (use 0)", name
         if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty is not supported (use 1)"
+            return "repetition_penalty is not supported (use 1)", "repetition_penalty"
         if self.logit_bias:
-            return "logit_bias is not supported"
+            return "logit_bias is not supported", "logit_bias"
         return None
 
     @property
@@ -108,13 +110,13 @@ class CompletionRequest(SamplingFields):
     best_of: Int64 | None = None
     suffix: str | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
-            return "echo is not supported"
+            return "echo is not supported", "echo"
         if self.best_of not in (None, 1):
-            return "best_of is not supported"
+            return "best_of is not supported", "best_of"
         if self.suffix:
-            return "suffix is not supported"
+            return "suffix is not supported", "suffix"
         return super().unsupported()
 
 
@@ -147,9 +149,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
-            return "tools are not supported"
+            return "tools are not supported", "tools"
         return super().unsupported()
 
     @property
