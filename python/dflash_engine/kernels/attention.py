@@ -1,0 +1,426 @@
+"""Paged KV writes and paged attention in Triton: twins of `dflash_engine.ops.attention`.
+
+Layout
+------
+- K/V caches: ``[num_pages, page_size, n_kv, head_dim]``; token slot ``s`` lives at
+  ``page = s // page_size``, ``offset = s % page_size``. ``page_size`` is a power of two.
+- ``q`` / ``out``: ``[T, n_heads, head_dim]`` with ``n_heads = group * n_kv`` (GQA: query
+  head ``h`` reads KV head ``h // group``). Any strides are accepted (``q`` may be a view
+  into a fused qkv buffer).
+- ``query_start_loc`` ``[R+1]`` int32: rows of request ``r`` are ``[qsl[r], qsl[r+1])``.
+  ``seq_lens`` ``[R]`` int32: context length *including* this step's rows, so row ``i`` of
+  request ``r`` sits at position ``seq_len - q_len + i``. ``block_tables`` ``[R, max_pages]``
+  int32, padded with page 0 (the null page).
+
+Invariants the kernels rely on (and keep)
+-----------------------------------------
+- CUDA-graph capturable: every grid is a function of Python ints only (R, n_kv,
+  ``max_query_len``, ``num_splits``, table width, T); per-request lengths are read inside
+  the kernels, and programs past a request's real length exit or mask. No host syncs.
+- ``max_query_len`` must be >= every request's ``q_len`` (rows beyond it are not computed).
+- Requests with ``q_len == 0`` (padding entries of a graph bucket) produce nothing; only the
+  output rows of real requests are written.
+- K/V are read only at positions ``< seq_len`` (and inside the block table), so stale or
+  garbage contents of the null page or of a page's unused tail never reach the result.
+- Softmax is computed online in float32 (base-2 exponent, scale folded in); results are
+  cast to ``q.dtype`` once at the end.
+
+Work decomposition
+------------------
+One program owns a tile of ``BLOCK_M`` packed query rows for one (request, query block,
+KV head): packed row ``m`` is query row ``m // group`` of the block and query head
+``kv_head * group + m % group``. Decode/verify (q_len 1..16) therefore fits a request's
+rows x the whole GQA group into one tile, so each KV page is read once per KV head;
+prefill chunks are tiled by ``BLOCK_Q`` query rows. Keys are visited in tiles of
+``BLOCK_N`` positions gathered through the block table (any page size works). Tiles that
+causality masks entirely are never visited, and tiles entirely visible to every row run
+without masks. With ``num_splits > 1`` (flash-decoding, for batches too small to fill the
+GPU) each program handles a contiguous share of the key tiles and writes a partial
+(normalized output, log-sum-exp) in float32; a second small kernel combines them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["store_kv", "paged_attention", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+# Most context splits per call: bounds the fp32 partial buffers (and gains nothing beyond).
+MAX_SPLITS = 32
+
+
+# ----------------------------------------------------------------------------- store_kv
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcp, stride_kcs, stride_kch, stride_kcd,
+    stride_vcp, stride_vcs, stride_vch, stride_vcd,
+    N_KV: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding row of a graph bucket: writes nothing
+        return
+    page = slot // PAGE
+    off = slot % PAGE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = h < N_KV
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
+    tl.store(
+        k_cache_ptr + page * stride_kcp + off * stride_kcs + h * stride_kch + d * stride_kcd,
+        k.to(k_cache_ptr.dtype.element_ty), mask=mask,
+    )
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+    tl.store(
+        v_cache_ptr + page * stride_vcp + off * stride_vcs + h * stride_vch + d * stride_vcd,
+        v.to(v_cache_ptr.dtype.element_ty), mask=mask,
+    )
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter rows k, v ``[T, n_kv, head_dim]`` into caches ``[num_pages, page_size, n_kv,
+    head_dim]`` at flat slots ``slot_mapping[t]`` (int64, ``page * page_size + offset``).
+    Rows whose slot is negative are skipped. One launch of T programs; capturable."""
+    num_tokens, n_kv, head_dim = k.shape
+    assert v.shape == k.shape and k_cache.shape == v_cache.shape
+    assert tuple(k_cache.shape[2:]) == (n_kv, head_dim), (k_cache.shape, k.shape)
+    assert slot_mapping.shape[0] >= num_tokens
+    page_size = k_cache.shape[1]
+    assert page_size & (page_size - 1) == 0 and head_dim & (head_dim - 1) == 0
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        N_KV=n_kv, BLOCK_H=triton.next_power_of_2(n_kv), HEAD_DIM=head_dim, PAGE=page_size,
+    )
+
+
+# ----------------------------------------------------------------------- paged attention
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos,
+    tile_lo, tile_hi, kv_end,
+    k_base, v_base, bt_row_ptr,
+    stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
+    qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False is the fast path for
+    tiles whose every key is visible to every row (no bounds or causal masks needed)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * BLOCK_N + offs_n
+        if MASKED:
+            in_range = k_pos < kv_end
+            page = tl.load(bt_row_ptr + k_pos // PAGE, mask=in_range, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row_ptr + k_pos // PAGE).to(tl.int64)
+        off = (k_pos % PAGE).to(tl.int64)
+        k_ptrs = k_base + page[:, None] * stride_kp + off[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + page[:, None] * stride_vp + off[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if MASKED:
+            # other=0 keeps NaN/inf garbage beyond seq_len out of p @ v (0 * NaN = NaN).
+            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 units
+        if MASKED:
+            visible = in_range[None, :]
+            if CAUSAL:
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible so far keeps m = -inf; subtract 0 instead so that
+        # exp2(-inf - -inf) never produces NaN (its p and alpha are then exactly 0).
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_base)
+        p = tl.math.exp2(s - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr,
+    qk_scale, num_q_blocks, max_pages,
+    stride_qt, stride_qh, stride_qd,
+    stride_kp, stride_ks, stride_kh, stride_kd,
+    stride_vp, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_rq = tl.program_id(0)  # request * num_q_blocks + query block
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    req = pid_rq // num_q_blocks
+    row0 = (pid_rq % num_q_blocks) * BLOCK_Q
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if row0 >= q_len:  # past this request's rows (includes q_len == 0 padding requests)
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = row0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)
+    tok = (q_start + row).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None], other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)  # both dot operands in the cache's dtype
+    q_pos = seq_len - q_len + row
+
+    # Keys this query block can see: [0, kv_end). `full_end` bounds the keys visible to
+    # every row of the block (the first row's position, inclusive, when causal).
+    if CAUSAL:
+        kv_end = seq_len - q_len + tl.minimum(q_len, row0 + BLOCK_Q)
+        full_end = seq_len - q_len + row0 + 1
+    else:
+        kv_end = seq_len
+        full_end = seq_len
+    kv_end = tl.minimum(kv_end, max_pages * PAGE)  # never index past the block-table row
+    full_end = tl.minimum(full_end, kv_end)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if not SPLIT:
+        tile_lo = 0
+        tile_hi = num_tiles
+    else:
+        per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = tl.minimum(split * per_split, num_tiles)
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    full_hi = tl.maximum(tl.minimum(full_end // BLOCK_N, tile_hi), tile_lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_bt
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, tile_lo, full_hi, kv_end, k_base, v_base, bt_row_ptr,
+        stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd, qk_scale,
+        False, CAUSAL, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, full_hi, tile_hi, kv_end, k_base, v_base, bt_row_ptr,
+        stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd, qk_scale,
+        True, CAUSAL, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+    )
+
+    # l == 0 only for rows that saw nothing (padding rows, empty splits): emit 0, not NaN.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if not SPLIT:
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+        )
+    else:
+        # Partials are laid out by program tile: [num_splits, n_tiles_rq, n_kv, BLOCK_M(, D)].
+        # Only real rows are written (and read back): at decode most packed rows are padding,
+        # and these fp32 partials cost as many bytes as the split's K/V tiles.
+        tile_id = (split * tl.num_programs(0) + pid_rq).to(tl.int64) * tl.num_programs(1) + kv_head
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + tile_id * BLOCK_M + offs_m, lse, mask=row_ok)
+        tl.store(
+            part_o_ptr + (tile_id * BLOCK_M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], o,
+            mask=row_ok[:, None],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr,
+    num_q_blocks, num_splits,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row)."""
+    pid_rq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = pid_rq // num_q_blocks
+    row0 = (pid_rq % num_q_blocks) * BLOCK_Q
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if row0 >= q_len:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = row0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
+    tok = (q_start + row).to(tl.int64)
+    tiles_per_split = tl.num_programs(0).to(tl.int64) * tl.num_programs(1)
+    tile0 = pid_rq.to(tl.int64) * tl.num_programs(1) + kv_head
+
+    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(part_lse_ptr + (s * tiles_per_split + tile0) * BLOCK_M + offs_m,
+                      mask=row_ok, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(num_splits):
+        base = (s * tiles_per_split + tile0) * BLOCK_M
+        lse = tl.load(part_lse_ptr + base + offs_m, mask=row_ok, other=float("-inf"))
+        w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
+        o = tl.load(part_o_ptr + (base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        total += w
+        acc += w[:, None] * o
+    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+    )
+
+
+# Tiles hold at most this many packed (query row x GQA head) rows.
+_MAX_BLOCK_M = 128
+
+
+def _pick_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N): all of a decode/verify request's rows x its GQA group in
+    one tile when they fit in _MAX_BLOCK_M packed rows, else as many query rows as fit."""
+    block_q = 1
+    while block_q * 2 * group <= _MAX_BLOCK_M and block_q < max_query_len:
+        block_q *= 2
+    block_m = max(16, triton.next_power_of_2(block_q * group))  # tl.dot needs M >= 16
+    block_n = 64 if head_dim <= 128 else 32
+    return block_q, block_m, block_n
+
+
+def _launch_config(block_m: int, head_dim: int) -> tuple[int, int]:
+    """(num_warps, num_stages) for the main kernel. On the H200 (Qwen3-8B shapes) BLOCK_N 32
+    or 128 and 2 vs 3 stages were no better for verify/decode tiles; 8 warps suit 128-row
+    prefill tiles (~245 TFLOP/s on a causal 2048-row chunk)."""
+    return (8 if block_m >= 128 else 4), (2 if head_dim > 128 else 3)
+
+
+def choose_num_splits(
+    num_requests: int, n_kv: int, num_q_blocks: int, max_pages: int, page_size: int,
+    block_n: int = 64, num_sms: int = 132,
+) -> int:
+    """Context splits for flash-decoding: a pure function of Python ints (so a captured
+    graph and every replay agree). Aims at ~2 waves of programs over `num_sms`, keeps at
+    least two key tiles per split for a context filling the whole block table (one-tile
+    splits lose more to the fp32 partials and the reduce than they gain), and does not
+    split once the (request, query block, KV head) programs already fill that target.
+
+    Measured on the H200 (Qwen3-8B: 8 KV heads, 16-row verify, context 1024, 64-page table):
+    the best split counts were 8 / 4 / 4 / 2 / 1 at batch 1 / 4 / 8 / 16 / 32; this picks
+    8 / 8 / 4 / 2 / 1. A table much wider than the contexts in it (a graph bucket sized for
+    the model's maximum length) makes it over-split small batches: size tables to need."""
+    programs = max(1, num_requests * n_kv * num_q_blocks)
+    target = 2 * num_sms
+    useful = max(1, -(-(max_pages * page_size) // block_n) // 2)
+    return max(1, min(target // programs, useful, MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter / CPU: plan as for the H200
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+    causal: bool,
+    max_query_len: int,
+    out: Tensor | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """Attention of q ``[T, n_heads, head_dim]`` over each request's paged context; returns
+    ``out`` ``[T, n_heads, head_dim]`` in q's dtype (only rows of requests are written).
+
+    causal=True: a row sees keys at positions <= its own; causal=False (the DFlash draft
+    pass): every row sees the whole context [0, seq_len). `max_query_len` (a Python int,
+    >= every request's q_len) and the tensor shapes fix the grid; `num_splits` (None: chosen
+    by `choose_num_splits`) splits each context across programs, combined by a second
+    launch. Capturable in a CUDA graph: no host syncs, no value-dependent shapes."""
+    num_tokens, n_heads, head_dim = q.shape
+    num_pages, page_size, n_kv, kv_dim = k_cache.shape
+    assert v_cache.shape == k_cache.shape and kv_dim == head_dim
+    assert n_heads % n_kv == 0, (n_heads, n_kv)
+    assert page_size & (page_size - 1) == 0, "page size must be a power of two"
+    assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, head_dim
+    group = n_heads // n_kv
+    num_requests, max_pages = block_tables.shape
+    assert query_start_loc.shape[0] == num_requests + 1 and seq_lens.shape[0] == num_requests
+    if out is None:
+        out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape
+    if num_tokens == 0 or num_requests == 0 or max_query_len <= 0:
+        return out
+
+    block_q, block_m, block_n = _pick_blocks(max_query_len, group, head_dim)
+    num_q_blocks = triton.cdiv(max_query_len, block_q)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_requests, n_kv, num_q_blocks, max_pages, page_size, block_n, _num_sms(q.device)
+        )
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
+    grid = (num_requests * num_q_blocks, n_kv, num_splits)
+    if num_splits > 1:
+        tiles = grid[0] * n_kv * block_m
+        part_o = torch.empty((num_splits * tiles, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits * tiles,), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused (SPLIT=False writes out directly)
+    # fp32 inputs (tests, interpreter): exact fp32 products, not TF32.
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    num_warps, num_stages = _launch_config(block_m, head_dim)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        query_start_loc, seq_lens, block_tables,
+        scale * _LOG2E, num_q_blocks, max_pages,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal),
+        SPLIT=num_splits > 1, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[grid[:2]](
+            out, part_o, part_lse, query_start_loc, num_q_blocks, num_splits, *out.stride(),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out
