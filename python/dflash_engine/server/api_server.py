@@ -96,21 +96,13 @@ async def _read_json(request: Request, model: type[BaseModel], limit: int) -> An
 # ---- request -> engine ------------------------------------------------------------------
 
 
-def _resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
-    if prompt_len >= max_model_len:
-        raise p.bad_request(
-            f"the prompt has {prompt_len} tokens; the maximum context length is "
-            f"{max_model_len}, which leaves no room for a completion", "prompt")
-    if requested is None:
-        return max_model_len - prompt_len
-    if requested < 1:
-        raise p.bad_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
-    if prompt_len + requested > max_model_len:
-        raise p.bad_request(
-            f"this model's maximum context length is {max_model_len} tokens; you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
-            "completion)", "max_tokens")
-    return requested
+def _default_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """What the request asked for, or the room left in the context (OpenAI's default). The
+    limits themselves (prompt and completion within max_model_len and the page pool) are
+    checked once, by the core, whose error names the parameter for the 400."""
+    if requested is not None:
+        return requested
+    return max(1, max_model_len - prompt_len)
 
 
 def _sampling_params(req: p.SamplingFields, max_tokens: int, vocab_size: int | None) -> SamplingParams:
@@ -205,6 +197,8 @@ def _usage(out: RequestOutput) -> p.UsageInfo:
 
 
 class _CompletionShape:
+    prompt_param = "prompt"  # what a 400 about the prompt names
+
     def __init__(self, request_id: str, model: str) -> None:
         self.id, self.model = request_id, model
 
@@ -227,6 +221,8 @@ class _CompletionShape:
 
 
 class _ChatShape(_CompletionShape):
+    prompt_param = "messages"
+
     def head(self) -> list[BaseModel]:
         delta = p.DeltaMessage(role="assistant", content="")
         return [p.ChatCompletionChunk(id=self.id, model=self.model,
@@ -307,16 +303,6 @@ def build_app(
 
     vocab_size = async_engine.vocab_size
 
-    def check_ids(ids: list[int], param: str) -> list[int]:
-        if not ids:
-            raise p.bad_request("the prompt is empty", param)
-        if min(ids) < 0:
-            raise p.bad_request("token ids must be non-negative", param)
-        if vocab_size is not None and max(ids) >= vocab_size:
-            raise p.bad_request(f"token ids must be in [0, {vocab_size - 1}] (the vocabulary "
-                                f"has {vocab_size} tokens), got {max(ids)}", param)
-        return ids
-
     async def render_chat(messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
         tok = tokenizer()
         try:
@@ -336,8 +322,9 @@ def build_app(
             if not prompt:
                 raise p.bad_request("the prompt is empty", "prompt")
             ids = await asyncio.to_thread(tokenizer().encode, prompt)
-            return check_ids(ids, "prompt"), prompt
-        return check_ids(list(prompt), "prompt"), None
+            return ids, prompt
+        # Token ids (range, vocabulary) are checked by the engine, which names the parameter.
+        return list(prompt), None
 
     async def serve(request: Request, request_id: str, client_id: str | None,
                     prompt_ids: list[int], prompt: str | None, params: SamplingParams,
@@ -356,7 +343,10 @@ def build_app(
                 pass
             return JSONResponse(shape.full(final).model_dump())
         except _ENGINE_ERRORS as e:
-            raise _as_openai_error(e) from None
+            err = _as_openai_error(e)
+            if shape.prompt_param != "prompt" and err.info.param == "prompt":
+                err.info.param = shape.prompt_param  # a chat's prompt is its messages
+            raise err from None
         finally:
             if not handed_over:
                 watcher.cancel()
@@ -394,7 +384,7 @@ def build_app(
         if (why := req.unsupported()) is not None:
             raise p.bad_request(*why)
         prompt_ids, prompt = await completion_prompt(req)
-        max_tokens = _resolve_max_tokens(req.max_tokens, len(prompt_ids), max_model_len)
+        max_tokens = _default_max_tokens(req.max_tokens, len(prompt_ids), max_model_len)
         params = _sampling_params(req, max_tokens, vocab_size)
         return await serve(request, rid, client_id, prompt_ids, prompt, params, req,
                            _CompletionShape(response_id, served_model_name))
@@ -406,9 +396,8 @@ def build_app(
         check_model(req.model)
         if (why := req.unsupported()) is not None:
             raise p.bad_request(*why)
-        prompt_ids = check_ids(await render_chat(req.messages, req.add_generation_prompt),
-                               "messages")
-        max_tokens = _resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), max_model_len)
+        prompt_ids = await render_chat(req.messages, req.add_generation_prompt)
+        max_tokens = _default_max_tokens(req.requested_max_tokens, len(prompt_ids), max_model_len)
         params = _sampling_params(req, max_tokens, vocab_size)
         return await serve(request, rid, client_id, prompt_ids, None, params, req,
                            _ChatShape(response_id, served_model_name))
