@@ -1,0 +1,68 @@
+"""Where the time of one decode step goes: torch.profiler over eager decode steps (the same
+kernels and shapes the CUDA graph replays), summed per kernel name.
+
+    python bench/profile_step.py --target DIR --draft DIR [--c 1] [--context 1024] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dflash_engine import SamplingParams
+from dflash_engine.config import EngineConfig
+from dflash_engine.engine import LLMEngine
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--c", default="1")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=14)
+    args = ap.parse_args(argv)
+    spec = {"method": "dflash", "model": args.draft, "num_speculative_tokens": 15}
+    for c in [int(x) for x in args.c.split(",")]:
+        engine = LLMEngine(EngineConfig(model=args.target, speculative_config=spec, max_num_seqs=c,
+                                        max_model_len=args.context + 256, num_gpu_blocks_override=c * 90 + 8,
+                                        dtype="bfloat16", enforce_eager=True, max_num_batched_tokens=8192))
+        rng = np.random.default_rng(0)
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        for i in range(c):
+            engine.add_request(f"p{i}", rng.integers(100, 100_000, size=args.context).tolist(), params)
+        for _ in range(6):
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+        totals: dict[str, float] = collections.defaultdict(float)
+        counts: dict[str, int] = collections.defaultdict(int)
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+            if t > 0:
+                name = e.key.split("(")[0][:70]
+                totals[name] += t
+                counts[name] += e.count
+        total = sum(totals.values())
+        print(f"## c={c}: GPU kernel time per step {total / args.steps / 1e3:.2f} ms (eager, {args.steps} steps)")
+        print("| kernel | ms/step | launches/step | share |\n|---|---:|---:|---:|")
+        for name, t in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"| `{name}` | {t / args.steps / 1e3:.3f} | {counts[name] / args.steps:.0f} | {t / total:.1%} |")
+        sys.stdout.flush()
+        del engine
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
