@@ -89,3 +89,15 @@ def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_
     off = tokens(LLM(**kw).generate(ps, GREEDY, use_tqdm=False))
     same = sum(a == b for a, b in zip(on, off))
     assert same >= (len(ps) if dtype == "float32" else len(ps) - 2), (same, len(ps))
+
+
+def test_enforce_eager_reaches_the_engine_config():
+    import argparse
+
+    from dflash_engine.config import EngineConfig
+    from dflash_engine.server.cli_args import add_serve_args, engine_kwargs
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    assert engine_kwargs(parser.parse_args(["--enforce-eager"]))["enforce_eager"] is True
+    assert "enforce_eager" not in engine_kwargs(parser.parse_args([]))  # engine default: graphs on
+    assert EngineConfig().enforce_eager is False

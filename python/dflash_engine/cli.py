@@ -12,7 +12,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(
         model=args.model, speculative_config=args.speculative_config, device=args.device or "auto",
-        dtype=args.dtype or "auto", max_model_len=args.max_model_len,
+        dtype=args.dtype or "auto", max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=_json_object, default=None)
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None)
+    g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
 
     sub.add_parser("convert", help="convert a llama GGUF into a Hugging Face directory", add_help=False)
     sub.add_parser("make-random-checkpoint", add_help=False,

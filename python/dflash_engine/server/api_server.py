@@ -465,6 +465,11 @@ def run_server(args: Any) -> None:
     print(f"KV pool: {engine.num_usable_pages} pages x {block_size} tokens = "
           f"{engine.num_usable_pages * block_size} tokens; max concurrency at max_model_len: "
           f"{engine.max_concurrency:.2f} (max_num_seqs {engine.config.max_num_seqs})", flush=True)
+    graphs = engine.runner.decode_graphs
+    if graphs is not None:
+        print("decode step: " + ("eager (--enforce-eager)" if graphs.enforce_eager else
+              f"{len(graphs.graphs)} CUDA graphs (batch buckets {graphs.buckets}) captured in "
+              f"{graphs.capture_seconds:.1f} s, {graphs.graph_bytes / 2**20:.0f} MiB"), flush=True)
     served = args.served_model_name or args.model_flag or args.model or engine.model_path.name
     app = build_app(AsyncLLMEngine(engine), served, api_key=args.api_key,
                     model_root=str(engine.model_path),

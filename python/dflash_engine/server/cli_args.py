@@ -66,6 +66,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="GPU: run decode steps without CUDA graphs (same tokens, slower)")
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
                         help="larger request bodies get a 413 (default: 4 MiB)")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -74,7 +76,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
-                 "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed")
+                 "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
+                 "enforce_eager")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
