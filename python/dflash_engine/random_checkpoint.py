@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from .model_runner import resolve_device
+
 QWEN3_VOCAB_SIZE = 151936
 ENDOFTEXT_ID = 151643  # <|endoftext|>: bos and pad in Qwen3's configs
 IM_END_ID = 151645  # <|im_end|>: eos
@@ -268,15 +270,6 @@ def shard_file_names(n_shards: int) -> list[str]:
 def _check_dtype(dtype: str) -> None:
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
-    return dev
 
 
 def tensor_seed(seed: int, name: str) -> int:
