@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
-_SPEC_KEYS = {"method", "model", "num_speculative_tokens"}
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method",
+              "synthetic_acceptance_length", "synthetic_acceptance_rates"}
+
+
+def synthetic_rates(k: int, length: float | None, rates: list[float] | None) -> list[float]:
+    """Per-draft-position acceptance probabilities (each given all earlier ones accepted).
+    From a mean acceptance length L: the constant p with 1 + p + ... + p^k = L."""
+    if rates is not None:
+        if len(rates) < k:
+            raise ValueError(f"synthetic_acceptance_rates has {len(rates)} entries, need num_speculative_tokens={k}")
+        return [float(r) for r in rates[:k]]
+    assert length is not None
+    if not 1.0 <= length <= k + 1:
+        raise ValueError(f"synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = {k + 1}], "
+                         f"got {length}")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):  # bisection: the sum grows with p
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**i for i in range(k + 1)) < length else (lo, mid)
+    return [(lo + hi) / 2] * k
 
 
 @dataclass
@@ -14,6 +34,15 @@ class SpeculativeConfig:
     model: str
     method: str = "dflash"
     num_speculative_tokens: int | None = None  # default: the draft's block_size - 1
+    # Benchmark-only (random weights accept nothing): "synthetic" draws each step's accepted
+    # count from a seeded RNG instead of comparing drafts with the target (vLLM's keys).
+    rejection_sample_method: str = "strict"
+    synthetic_acceptance_length: float | None = None
+    synthetic_acceptance_rates: list[float] | None = None
+
+    @property
+    def synthetic(self) -> bool:
+        return self.rejection_sample_method == "synthetic"
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
@@ -37,7 +66,25 @@ class SpeculativeConfig:
         n = value.get("num_speculative_tokens")
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {n!r}")
-        return cls(model=str(value["model"]), method=method, num_speculative_tokens=n)
+        rsm = value.get("rejection_sample_method", "strict")
+        if rsm not in ("strict", "synthetic"):
+            raise ValueError(f"speculative_config.rejection_sample_method must be 'strict' or 'synthetic', got {rsm!r}")
+        length, rates = value.get("synthetic_acceptance_length"), value.get("synthetic_acceptance_rates")
+        if rsm == "synthetic":
+            if (length is None) == (rates is None):
+                raise ValueError("synthetic acceptance needs exactly one of synthetic_acceptance_length "
+                                 "and synthetic_acceptance_rates")
+            if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))
+                                       or not math.isfinite(length)):
+                raise ValueError(f"synthetic_acceptance_length must be a number, got {length!r}")
+            if rates is not None and (not isinstance(rates, list) or not all(
+                    isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 <= r <= 1.0 for r in rates)):
+                raise ValueError("synthetic_acceptance_rates must be a list of probabilities in [0, 1]")
+        elif length is not None or rates is not None:
+            raise ValueError("synthetic_acceptance_* keys need rejection_sample_method='synthetic'")
+        return cls(model=str(value["model"]), method=method, num_speculative_tokens=n,
+                   rejection_sample_method=rsm, synthetic_acceptance_length=length,
+                   synthetic_acceptance_rates=rates)
 
 
 @dataclass

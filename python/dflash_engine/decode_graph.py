@@ -30,6 +30,7 @@ import torch
 from . import _core
 from .kernels import sampling as ksampling
 from .ops.attention import AttentionMetadata
+from .sampler import synthetic_accept
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +189,17 @@ class DecodeGraphRunner:
             logits, x["greedy"].bool(), x["temperature"], x["top_k"], x["top_p"], x["min_p"],
             x["seed"], x["positions"] + 1, all_greedy=all_greedy, out=sampled,
         )
-        if drafts is not None:
-            ksampling.accept(drafts.view(bs, self.b - 1), sampled.view(bs, self.b), out=self.out[n:n + bs])
+        if drafts is None:
+            return
+        drafts, blocks = drafts.view(bs, self.b - 1), sampled.view(bs, self.b)
+        if self.r.synthetic_rates is None:
+            ksampling.accept(drafts, blocks, out=self.out[n:n + bs])
+        else:  # benchmark-only: accepted counts from a seeded RNG, accepted drafts committed
+            first = slice(0, n, self.b)  # each request's bonus row
+            acc, toks = synthetic_accept(drafts, blocks, x["seed"][first], x["positions"][first],
+                                         self.r.synthetic_rates)
+            self.out[n:n + bs].copy_(acc)
+            blocks.copy_(toks)
 
     # ---- capture and replay ----------------------------------------------------------------
     def capture(self, modes: tuple[bool, ...] = (True,)) -> None:

@@ -99,6 +99,11 @@ class LLMEngine:
         return self.scheduler.num_usable_pages
 
     @property
+    def synthetic_acceptance(self) -> bool:
+        """Benchmark-only synthetic acceptance is on: label every output it touches."""
+        return self.runner.synthetic_rates is not None
+
+    @property
     def max_concurrency(self) -> float:
         """How many full-length requests the KV pool holds at once."""
         per_seq = _core.pages_per_seq(self.max_model_len, self.num_speculative_tokens, self.config.block_size)

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from . import _core
-from .config import EngineConfig
+from .config import EngineConfig, synthetic_rates
 from .kv_cache import KVCache
 from .models import load_draft, load_target
 from .ops.attention import AttentionMetadata
 from .decode_graph import DecodeGraphRunner
 from .ops.dispatch import use_kernels
-from .sampler import SamplingTensors, accept, sample
+from .sampler import SamplingTensors, accept, sample, synthetic_accept
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,16 @@ class ModelRunner:
             self.num_speculative_tokens = n
             self.tap_layers = list(dcfg.target_layer_ids)
             self.mask_token_id = dcfg.mask_token_id
+        # Benchmark-only synthetic acceptance (never on by default; labelled wherever it shows).
+        self.synthetic_rates: torch.Tensor | None = None
+        if spec is not None and spec.synthetic:
+            rates = synthetic_rates(self.num_speculative_tokens, spec.synthetic_acceptance_length,
+                                    spec.synthetic_acceptance_rates)
+            self.synthetic_rates = torch.tensor(rates, dtype=torch.float64, device=self.device)
+            expected = sum(float(np.prod(rates[:i])) for i in range(len(rates) + 1))
+            logger.warning("SYNTHETIC acceptance (benchmark only): per-position rates %s, expected "
+                           "acceptance length %.2f; outputs are NOT the target's", [round(r, 4) for r in rates],
+                           expected)
         self.page_size = cfg.block_size  # vLLM's --block-size: tokens per KV page
         self.bytes_per_page = KVCache.bytes_per_page(
             self.model_config, self.draft.config if self.draft else None, self.page_size, self.dtype
@@ -152,6 +162,13 @@ class ModelRunner:
         if draft_tokens is not None:
             b = plan.block_rows
             rows = self._t(plan.sample_start[:n_dec])[:, None] + torch.arange(b, device=self.device)
-            accepted[:n_dec] = accept(draft_tokens.view(n_dec, b - 1), sampled[rows])
+            drafts = draft_tokens.view(n_dec, b - 1)
+            if self.synthetic_rates is None:
+                accepted[:n_dec] = accept(drafts, sampled[rows])
+            else:
+                bonus_rows = plan.query_start_loc[:n_dec]
+                seeds = self._t(st["seed"][plan.sample_start[:n_dec]])
+                accepted[:n_dec], sampled[rows] = synthetic_accept(
+                    drafts, sampled[rows], seeds, self._t(plan.positions[bonus_rows]), self.synthetic_rates)
         out = torch.cat([accepted, sampled]).cpu().numpy()  # one device-to-host copy
         return out[:len(plan)], out[len(plan):]

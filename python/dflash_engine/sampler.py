@@ -99,3 +99,26 @@ def accept(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
         return torch.zeros(n, dtype=torch.int64, device=draft_tokens.device)
     first_miss = miss.to(torch.int8).argmax(dim=1)  # first mismatch (0 when there is none)
     return torch.where(miss.any(dim=1), first_miss, torch.full_like(first_miss, drafts)).to(torch.int64)
+
+
+_SYNTHETIC_SALT = 0x5EED_AC1D
+
+
+def synthetic_accept(drafts: Tensor, sampled: Tensor, seed: Tensor, position: Tensor, rates: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+    """Benchmark-only acceptance: draft position i (1-based) is accepted when a uniform keyed by
+    (request seed, its position) falls below rates[i-1] and every earlier one was accepted.
+
+    drafts [n, B-1], sampled [n, B] (the target's t_0..t_{B-1}), seed [n], position [n] (the
+    bonus row's position), rates [B-1] float64 -> (accepted [n], tokens [n, B]) where tokens
+    puts the accepted drafts d_1..d_a in rows 0..a-1 (the rows the commit appends) followed by
+    the target's t_a. The target KV of rows 1..a already holds exactly d_1..d_a (they were its
+    inputs), so the committed state stays consistent. Capturable (integer ops, no sync)."""
+    n, k = drafts.shape
+    steps = torch.arange(1, k + 1, device=drafts.device)
+    u = uniform_from((seed[:, None] ^ _SYNTHETIC_SALT), position[:, None] + steps).to(rates.device)
+    accepted = (u < rates[None, :]).long().cumprod(dim=1).sum(dim=1)
+    take = steps[None, :] <= accepted[:, None]
+    tokens = sampled.clone()
+    tokens[:, :k] = torch.where(take, drafts, sampled[:, :k])
+    return accepted, tokens
