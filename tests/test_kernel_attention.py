@@ -6,7 +6,6 @@ shapes there, plus bf16/fp16 and Qwen3-8B-like shapes on CUDA.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -44,9 +43,9 @@ def make_case(query_lens, seq_lens, *, n_kv, group, head_dim, page_size, dtype, 
         tables.append(perm[i:i + n])
         i += n
     width = max(max(need, default=0) + table_slack, 1)
-    block_tables = torch.zeros((len(seq_lens), width), dtype=torch.int32)
+    page_tables = torch.zeros((len(seq_lens), width), dtype=torch.int32)
     for r, t in enumerate(tables):
-        block_tables[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        page_tables[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
 
     shape = (num_pages, page_size, n_kv, head_dim)
     k_cache = torch.full(shape, float("nan"))
@@ -65,7 +64,7 @@ def make_case(query_lens, seq_lens, *, n_kv, group, head_dim, page_size, dtype, 
         torch.zeros(qsl[-1], dtype=torch.int64, device=DEVICE),  # slot_mapping: unused here
         torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
         torch.tensor(list(seq_lens), dtype=torch.int32, device=DEVICE),
-        block_tables.to(DEVICE),
+        page_tables.to(DEVICE),
         causal,
     )
     to = dict(device=DEVICE, dtype=dtype)
@@ -73,21 +72,18 @@ def make_case(query_lens, seq_lens, *, n_kv, group, head_dim, page_size, dtype, 
 
 
 def make_meta(slot_mapping, query_start_loc, seq_lens, tables, causal) -> AttentionMetadata:
-    """The reference's metadata, built field by field (the table field is `block_tables` or,
-    after its rename, `page_tables`; `max_query_len` is filled when the dataclass has it)."""
+    """The reference's metadata, built field by field."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    values = dict(
+    return AttentionMetadata(
         slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
-        block_tables=tables, page_tables=tables, causal=causal,
+        page_tables=tables, causal=causal,
         max_query_len=max((b - a for a, b in zip(qsl, qsl[1:])), default=0),
         query_start_loc_cpu=qsl, seq_lens_cpu=lens,
     )
-    names = {f.name for f in dataclasses.fields(AttentionMetadata)}
-    return AttentionMetadata(**{k: v for k, v in values.items() if k in names})
 
 
 def table_of(meta: AttentionMetadata) -> torch.Tensor:
-    return meta.page_tables if hasattr(meta, "page_tables") else meta.block_tables
+    return meta.page_tables
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -272,7 +268,7 @@ def test_cuda_graph_capture_and_replay():
     v_new = torch.empty_like(k_new)
     qsl = torch.empty(reqs + 1, dtype=torch.int32, device="cuda")
     seq_lens = torch.empty(reqs, dtype=torch.int32, device="cuda")
-    block_tables = torch.empty(reqs, max_pages, dtype=torch.int32, device="cuda")
+    page_tables = torch.empty(reqs, max_pages, dtype=torch.int32, device="cuda")
     slot_mapping = torch.empty(num_tokens, dtype=torch.int64, device="cuda")
     out_causal = torch.empty_like(q)
     out_full = torch.empty_like(q)
@@ -292,7 +288,7 @@ def test_cuda_graph_capture_and_replay():
             starts.append(starts[-1] + ql)
         qsl.copy_(torch.tensor(starts, dtype=torch.int32))
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        block_tables.copy_(table)
+        page_tables.copy_(table)
         slot_mapping.copy_(slots)
         q.copy_(torch.randn(q.shape, generator=g))
         k_new.copy_(torch.randn(k_new.shape, generator=g))
@@ -300,8 +296,8 @@ def test_cuda_graph_capture_and_replay():
 
     def step():
         store_kv(k_cache, v_cache, k_new, v_new, slot_mapping)
-        paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088, True, rows, out=out_causal)
-        paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, 0.088, False, rows, out=out_full)
+        paged_attention(q, k_cache, v_cache, qsl, seq_lens, page_tables, 0.088, True, rows, out=out_causal)
+        paged_attention(q, k_cache, v_cache, qsl, seq_lens, page_tables, 0.088, False, rows, out=out_full)
 
     fill([300, 1000, 16, 700], [16] * 4, seed=1)
     step()  # compile outside the capture
@@ -325,7 +321,7 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         assert torch.equal(got[0], out_causal[:n]) and torch.equal(got[1], out_full[:n])
         assert torch.equal(got[2], k_cache) and torch.equal(got[3], v_cache)
-        meta = make_meta(slot_mapping, qsl, seq_lens, block_tables, True)
+        meta = make_meta(slot_mapping, qsl, seq_lens, page_tables, True)
         assert rel_err(got[0], ref_paged_attention(q[:n], k_cache, v_cache, meta, 0.088)) < 1e-2
-        meta = make_meta(slot_mapping, qsl, seq_lens, block_tables, False)
+        meta = make_meta(slot_mapping, qsl, seq_lens, page_tables, False)
         assert rel_err(got[1], ref_paged_attention(q[:n], k_cache, v_cache, meta, 0.088)) < 1e-2

@@ -22,6 +22,17 @@ pub enum EntryKind {
     Decode { committed: usize },
 }
 
+impl EntryKind {
+    /// Target rows of an entry of this kind: the prefill chunk, or the B verify rows. The one
+    /// definition (the scheduler budgets with it, the plan lays rows out with it).
+    pub fn num_rows(&self, block_rows: usize) -> usize {
+        match *self {
+            EntryKind::Prefill { len, .. } => len,
+            EntryKind::Decode { .. } => block_rows,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlanEntry {
     pub handle: u64,
@@ -34,13 +45,9 @@ pub struct PlanEntry {
 }
 
 impl PlanEntry {
-    /// Target rows of this request in this step (a prefill chunk, or the B verify rows,
-    /// every one of which is sampled).
+    /// Target rows of this request in this step (a verify entry samples each of its B rows).
     pub fn num_rows(&self) -> usize {
-        match self.kind {
-            EntryKind::Prefill { len, .. } => len,
-            EntryKind::Decode { .. } => self.num_samples,
-        }
+        self.kind.num_rows(self.num_samples)
     }
 
     /// Draft tokens proposed to this request in this step (the most it can accept).

@@ -9,7 +9,7 @@ Layout
   into a fused qkv buffer).
 - ``query_start_loc`` ``[R+1]`` int32: rows of request ``r`` are ``[qsl[r], qsl[r+1])``.
   ``seq_lens`` ``[R]`` int32: context length *including* this step's rows, so row ``i`` of
-  request ``r`` sits at position ``seq_len - q_len + i``. ``block_tables`` ``[R, max_pages]``
+  request ``r`` sits at position ``seq_len - q_len + i``. ``page_tables`` ``[R, max_pages]``
   int32, padded with page 0 (the null page).
 
 Invariants the kernels rely on (and keep)
@@ -359,7 +359,7 @@ def paged_attention(
     v_cache: Tensor,
     query_start_loc: Tensor,
     seq_lens: Tensor,
-    block_tables: Tensor,
+    page_tables: Tensor,
     scale: float,
     causal: bool,
     max_query_len: int,
@@ -381,7 +381,7 @@ def paged_attention(
     assert page_size & (page_size - 1) == 0, "page size must be a power of two"
     assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, head_dim
     group = n_heads // n_kv
-    num_requests, max_pages = block_tables.shape
+    num_requests, max_pages = page_tables.shape
     assert query_start_loc.shape[0] == num_requests + 1 and seq_lens.shape[0] == num_requests
     if out is None:
         out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -408,10 +408,10 @@ def paged_attention(
     num_warps, num_stages = _launch_config(block_m, head_dim)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, page_tables,
         scale * _LOG2E, num_q_blocks, max_pages,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        block_tables.stride(0),
+        page_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal),
         SPLIT=num_splits > 1, DOT_PRECISION=precision,
