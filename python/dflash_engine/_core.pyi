@@ -57,6 +57,7 @@ class CommitResult:
     offsets: npt.NDArray[np.int64]
     new_tokens: npt.NDArray[np.int64]
     finish_codes: npt.NDArray[np.uint8]
+    num_cached_tokens: npt.NDArray[np.uint32]  # per request: prompt tokens taken from the prefix cache
     def __len__(self) -> int: ...
     def items(self) -> list[tuple[int, list[int], str | None]]: ...
 
@@ -68,6 +69,10 @@ class Scheduler:
     num_usable_pages: int
     kv_usage: float
     num_preemptions: int
+    enable_prefix_caching: bool
+    prefix_cache_queries: int  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens served from the cache
+    num_cached_pages: int  # published pages, in use or free
     page_size: int
     block_rows: int
     outstanding_step: int | None
@@ -81,6 +86,7 @@ class Scheduler:
         max_model_len: int,
         num_speculative_tokens: int = 0,
         mask_token_id: int = 0,
+        enable_prefix_caching: bool = True,
     ) -> None: ...
     def add_request(
         self, request_id: str, prompt_token_ids: _Ints, max_tokens: int, stop_token_ids: _Ints | None = None
@@ -94,4 +100,6 @@ class Scheduler:
     def cancel(self, plan: StepPlan) -> None: ...
     def fail(self, plan: StepPlan, reason: str = "error") -> list[int]: ...
     def request_state(self, handle: int) -> tuple[str, int, list[int]]: ...
+    def num_cached_tokens(self, handle: int) -> int: ...
+    def request_pages(self, handle: int) -> list[int]: ...
     def check_invariants(self) -> None: ...

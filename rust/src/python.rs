@@ -245,6 +245,9 @@ pub struct PyCommitResult {
     /// 0 running, else an index into `FINISH_REASONS`.
     #[pyo3(get)]
     finish_codes: Py<PyArray1<u8>>,
+    /// Prompt tokens each request took from the prefix cache (at its first admission).
+    #[pyo3(get)]
+    num_cached_tokens: Py<PyArray1<u32>>,
 }
 
 #[pymethods]
@@ -271,11 +274,18 @@ pub struct PyScheduler {
     inner: Scheduler,
 }
 
+impl PyScheduler {
+    fn live(&self, handle: u64) -> PyResult<&crate::request::Request> {
+        self.inner.request(handle).ok_or_else(|| to_py(CoreError::UnknownRequest(format!("handle {handle}"))))
+    }
+}
+
 #[pymethods]
 impl PyScheduler {
     #[new]
     #[pyo3(signature = (*, num_pages, page_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-                        num_speculative_tokens = 0, mask_token_id = 0))]
+                        num_speculative_tokens = 0, mask_token_id = 0, enable_prefix_caching = true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         num_pages: usize,
         page_size: usize,
@@ -284,6 +294,7 @@ impl PyScheduler {
         max_model_len: usize,
         num_speculative_tokens: usize,
         mask_token_id: u32,
+        enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
             num_pages,
@@ -293,6 +304,7 @@ impl PyScheduler {
             max_model_len,
             num_speculative_tokens,
             mask_token_id,
+            enable_prefix_caching,
         };
         Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py)? })
     }
@@ -373,6 +385,7 @@ impl PyScheduler {
             offsets: arr1(py, b.offsets)?,
             new_tokens: arr1(py, b.tokens)?,
             finish_codes: arr1(py, b.finish)?,
+            num_cached_tokens: arr1(py, b.num_cached_tokens)?,
         })
     }
 
@@ -388,11 +401,18 @@ impl PyScheduler {
 
     /// (phase, computed-or-committed, tokens) of a live request.
     fn request_state(&self, handle: u64) -> PyResult<(&'static str, usize, Vec<u32>)> {
-        let r = self
-            .inner
-            .request(handle)
-            .ok_or_else(|| to_py(CoreError::UnknownRequest(format!("handle {handle}"))))?;
+        let r = self.live(handle)?;
         Ok((r.phase().name(), r.num_computed(), r.tokens().to_vec()))
+    }
+
+    /// Prompt tokens a live request took from the prefix cache at its first admission.
+    fn num_cached_tokens(&self, handle: u64) -> PyResult<usize> {
+        Ok(self.live(handle)?.num_cached_tokens())
+    }
+
+    /// The page table of a live request (tests: sharing is visible as equal page ids).
+    fn request_pages(&self, handle: u64) -> PyResult<Vec<u32>> {
+        Ok(self.live(handle)?.pages().pages().to_vec())
     }
 
     fn check_invariants(&self) -> PyResult<()> {
@@ -426,6 +446,25 @@ impl PyScheduler {
     #[getter]
     fn num_preemptions(&self) -> u64 {
         self.inner.num_preemptions()
+    }
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.inner.config().enable_prefix_caching
+    }
+    /// Tokens of admitted requests looked up in the prefix cache.
+    #[getter]
+    fn prefix_cache_queries(&self) -> u64 {
+        self.inner.prefix_cache_queries()
+    }
+    /// Tokens served from the prefix cache.
+    #[getter]
+    fn prefix_cache_hits(&self) -> u64 {
+        self.inner.prefix_cache_hits()
+    }
+    /// Published pages (in use or free).
+    #[getter]
+    fn num_cached_pages(&self) -> usize {
+        self.inner.pool().num_cached()
     }
     #[getter]
     fn page_size(&self) -> usize {

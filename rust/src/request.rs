@@ -14,8 +14,16 @@
 //!
 //! Fields are private: the phase changes only through the transitions below, each of which
 //! keeps the invariants above (the scheduler decides *when*, the request *how*).
+//!
+//! Prefix caching: the leading pages of the page list may be *frozen*: cache hits shared at
+//! admission, and pages published after a commit once the computed prefix covers them (the
+//! target KV and the draft context of every position in them are written by then: both are
+//! written in the step that computes the position). `frozen[j]` is the cache entry that names
+//! the content of page `j` (its own publication, or an equal page published first). Frozen
+//! pages lie inside the computed prefix and no step writes them again; every other page is
+//! private to this request.
 
-use crate::page_pool::PageList;
+use crate::page_pool::{EntryId, PageId, PageList, Publish, ROOT_ENTRY};
 
 /// Why a request finished. The discriminant is the code handed to Python (0 = running).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,13 +109,34 @@ pub struct Request {
     stop_token_ids: Vec<u32>,
     phase: Phase,
     pages: PageList,
+    /// Chained hashes of the full pages of `tokens` hashed so far (tokens never change, so
+    /// neither do these).
+    page_hashes: Vec<u64>,
+    /// Cache entries of the leading frozen pages (module doc).
+    frozen: Vec<EntryId>,
+    /// A page could not be published (another page holds its hash): no later page can be.
+    publish_stopped: bool,
+    /// Prompt tokens served from the cache at the first admission.
+    num_cached_tokens: Option<usize>,
 }
 
 impl Request {
     pub(crate) fn new(id: &str, prompt: &[u32], max_tokens: usize, stop_token_ids: Vec<u32>, pages: PageList) -> Self {
         let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
         tokens.extend_from_slice(prompt);
-        Request { id: id.to_string(), prompt_len: prompt.len(), tokens, max_tokens, stop_token_ids, phase: Phase::Waiting, pages }
+        Request {
+            id: id.to_string(),
+            prompt_len: prompt.len(),
+            tokens,
+            max_tokens,
+            stop_token_ids,
+            phase: Phase::Waiting,
+            pages,
+            page_hashes: Vec::new(),
+            frozen: Vec::new(),
+            publish_stopped: false,
+            num_cached_tokens: None,
+        }
     }
 
     pub fn id(&self) -> &str {
@@ -124,6 +153,21 @@ impl Request {
 
     pub fn pages(&self) -> &PageList {
         &self.pages
+    }
+
+    /// Leading pages that are frozen (shared from the cache or published); no step writes them.
+    pub fn num_frozen_pages(&self) -> usize {
+        self.frozen.len()
+    }
+
+    /// Cache entries of the frozen pages.
+    pub fn frozen_entries(&self) -> &[EntryId] {
+        &self.frozen
+    }
+
+    /// Prompt tokens whose KV came from the prefix cache at the first admission (0 before).
+    pub fn num_cached_tokens(&self) -> usize {
+        self.num_cached_tokens.unwrap_or(0)
     }
 
     pub fn prompt_len(&self) -> usize {
@@ -159,25 +203,87 @@ impl Request {
         self.pages.grow_to(n)
     }
 
-    /// Waiting | Preempted -> Prefilling{0}.
-    pub(crate) fn admit(&mut self) {
-        self.phase = match self.phase {
-            Phase::Waiting | Phase::Preempted => Phase::Prefilling { computed: 0 },
-            other => panic!("admit from {}", other.name()),
-        };
+    /// Hash the full pages of `tokens` up to `n` pages (at most the full pages there are).
+    fn hash_pages(&mut self, n: usize) {
+        let ps = self.pages.pool().page_size();
+        let n = n.min(self.tokens.len() / ps);
+        while self.page_hashes.len() < n {
+            let j = self.page_hashes.len();
+            let parent = self.page_hashes.last().copied().unwrap_or(0);
+            let h = self.pages.pool().page_hash(parent, &self.tokens[j * ps..(j + 1) * ps]);
+            self.page_hashes.push(h);
+        }
     }
 
-    /// Prefilling | Decoding -> Preempted; every page goes back to the pool.
+    /// The cached pages a (re-)admission can share: the longest published run equal to the
+    /// leading full pages of what prefill must compute, short of its last token (at least one
+    /// token is always computed; when the target ends on a page boundary, its last page is
+    /// recomputed). Changes nothing but the memoised hashes.
+    pub(crate) fn cache_lookup(&mut self) -> Vec<(PageId, EntryId)> {
+        assert!(matches!(self.phase, Phase::Waiting | Phase::Preempted), "lookup from {}", self.phase.name());
+        let (target, _) = self.prefill_target();
+        let max_pages = (target - 1) / self.pages.pool().page_size();
+        self.hash_pages(max_pages);
+        self.pages.pool().match_prefix(&self.page_hashes[..max_pages], &self.tokens)
+    }
+
+    /// Waiting | Preempted -> Prefilling{computed: hits * page_size}: share the cache hits
+    /// (`cache_lookup`, or none) and grow to `n` pages. All or nothing: false if the pool is
+    /// short, and then nothing changed.
+    pub(crate) fn admit(&mut self, hits: &[(PageId, EntryId)], n: usize) -> bool {
+        assert!(matches!(self.phase, Phase::Waiting | Phase::Preempted), "admit from {}", self.phase.name());
+        let shared: Vec<PageId> = hits.iter().map(|h| h.0).collect();
+        if !self.pages.acquire_prefix(&shared, n) {
+            return false;
+        }
+        let computed = hits.len() * self.pages.pool().page_size();
+        assert!(computed < self.prefill_target().0, "a cache hit must leave a token to compute");
+        self.frozen = hits.iter().map(|h| h.1).collect();
+        self.num_cached_tokens.get_or_insert(computed);
+        self.phase = Phase::Prefilling { computed };
+        true
+    }
+
+    /// Publish the full pages the computed prefix now covers (after a commit): their target
+    /// KV and draft context are written and no step writes them again.
+    pub(crate) fn publish_computed(&mut self) {
+        let ps = self.pages.pool().page_size();
+        let full = self.num_computed() / ps;
+        if self.publish_stopped || full <= self.frozen.len() {
+            return;
+        }
+        self.hash_pages(full);
+        for j in self.frozen.len()..full {
+            let parent = self.frozen.last().copied().unwrap_or(ROOT_ENTRY);
+            let toks = &self.tokens[j * ps..(j + 1) * ps];
+            match self.pages.pool().publish(self.pages.pages()[j], self.page_hashes[j], parent, toks) {
+                Publish::Published(e) | Publish::Duplicate(e) => self.frozen.push(e),
+                Publish::Conflict => {
+                    self.publish_stopped = true;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Prefilling | Decoding -> Preempted; every page goes back to the pool (published ones
+    /// stay cached on the free list).
     pub(crate) fn preempt(&mut self) {
         assert!(self.phase.is_running(), "preempt from {}", self.phase.name());
         self.phase = Phase::Preempted;
-        self.pages.clear();
+        self.release_pages();
     }
 
     /// Any live state -> Finished; every page goes back to the pool.
     pub(crate) fn finish(&mut self, reason: FinishReason) {
         assert!(!matches!(self.phase, Phase::Finished(_)), "finish twice");
         self.phase = Phase::Finished(reason);
+        self.release_pages();
+    }
+
+    fn release_pages(&mut self) {
+        self.frozen.clear();
+        self.publish_stopped = false;
         self.pages.clear();
     }
 
@@ -251,13 +357,13 @@ mod tests {
     fn transitions_follow_the_diagram() {
         let pool = PagePool::new(8, 4);
         let mut r = req(&pool);
-        r.admit();
+        assert!(r.admit(&[], 0));
         assert_eq!(r.phase(), Phase::Prefilling { computed: 0 });
         assert!(r.grow_pages(1));
         r.preempt();
         assert_eq!(r.phase(), Phase::Preempted);
         assert!(r.pages().is_empty(), "preemption frees the pages");
-        r.admit();
+        assert!(r.admit(&[], 1));
         assert_eq!(r.finish_prefill_chunk(0, 2, None), Applied { new_tokens: 0, finish: None });
         assert_eq!(r.finish_prefill_chunk(2, 1, Some(5)), Applied { new_tokens: 1, finish: None });
         assert_eq!((r.phase(), r.num_computed(), r.tokens()), (Phase::Decoding, 3, &[1, 2, 3, 5][..]));
@@ -272,9 +378,9 @@ mod tests {
     fn cannot_admit_a_decoding_request() {
         let pool = PagePool::new(8, 4);
         let mut r = req(&pool);
-        r.admit();
+        r.admit(&[], 1);
         r.finish_prefill_chunk(0, 3, Some(4));
-        r.admit();
+        r.admit(&[], 1);
     }
 
     #[test]
@@ -282,7 +388,7 @@ mod tests {
     fn verify_must_match_the_committed_count() {
         let pool = PagePool::new(8, 4);
         let mut r = req(&pool);
-        r.admit();
+        r.admit(&[], 1);
         r.finish_prefill_chunk(0, 3, Some(4));
         r.apply_verify(2, &[1]);
     }

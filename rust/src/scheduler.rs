@@ -2,8 +2,18 @@
 //! up to its known tokens, plus (when decoding) a verify block of B rows. That one rule
 //! covers chunked prefill, plain decode (B = 1) and DFlash speculation.
 //!
+//! Prefix caching (on by default, `enable_prefix_caching`): admission shares the longest run
+//! of cached full pages equal to the leading pages of what the request must prefill (at least
+//! one token is always computed), and every commit publishes the full pages its computed
+//! prefix now covers (page_pool.rs has the hash, the collision rule and LRU eviction).
+//!
 //! Invariants (see `check_invariants`, exercised by the property tests):
-//! - every page is free or owned by exactly one live request (no sharing yet);
+//! - every page is free or owned by live requests, and its refcount is its number of owners;
+//!   a page owned twice (shared) is published and frozen in every owner;
+//! - a request's frozen pages (cache hits, its published pages) lie inside its computed
+//!   prefix; no step writes a slot of a frozen page (`build_plan` asserts it), so a published
+//!   page's content never changes; its other pages are private (refcount 1, unpublished);
+//! - a free page is either uncached or cached (published, refcount 0, revivable);
 //! - a running request is in `running` and nowhere else; waiting/preempted ones in `waiting`;
 //! - a decoding request's pages cover `committed`; one in the outstanding step covers
 //!   `committed + B` (pages for the draft block are allocated before the step that drafts);
@@ -40,6 +50,8 @@ pub struct SchedulerConfig {
     /// 0 turns speculation off (B = 1).
     pub num_speculative_tokens: usize,
     pub mask_token_id: u32,
+    /// Share cached prefixes at admission and publish computed full pages.
+    pub enable_prefix_caching: bool,
 }
 
 impl SchedulerConfig {
@@ -83,6 +95,8 @@ pub struct CommitBatch {
     pub tokens: Vec<i64>,
     /// 0 = still running, else `FinishReason::code`.
     pub finish: Vec<u8>,
+    /// Prompt tokens each request took from the prefix cache at its first admission.
+    pub num_cached_tokens: Vec<u32>,
 }
 
 /// Handles are sequential integers: hashing them is wasted work on the per-step path.
@@ -136,6 +150,10 @@ pub struct Scheduler {
     next_step: u64,
     outstanding: Option<Outstanding>,
     num_preemptions: u64,
+    /// Prefix cache lookups: tokens of the admitted requests, and of those, tokens served
+    /// from the cache (vLLM's `prefix_cache_queries` / `prefix_cache_hits`).
+    prefix_cache_queries: u64,
+    prefix_cache_hits: u64,
 }
 
 impl Scheduler {
@@ -154,6 +172,8 @@ impl Scheduler {
             next_step: 1,
             outstanding: None,
             num_preemptions: 0,
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
         })
     }
 
@@ -280,19 +300,17 @@ impl Scheduler {
                 continue;
             }
             let req = &self.requests[&h];
-            let (kind, rows, need_tokens) = match req.phase() {
+            let kind = match req.phase() {
                 Phase::Prefilling { computed } => {
                     let (target, sample) = req.prefill_target();
                     let len = (target - computed).min(budget);
-                    let kind = EntryKind::Prefill { start: computed, len, sample: sample && computed + len == target };
-                    (kind, len, computed + len)
+                    EntryKind::Prefill { start: computed, len, sample: sample && computed + len == target }
                 }
-                Phase::Decoding => {
-                    let committed = req.num_computed();
-                    (EntryKind::Decode { committed }, b, committed + b)
-                }
+                Phase::Decoding => EntryKind::Decode { committed: req.num_computed() },
                 p => unreachable!("{} request in running", p.name()),
             };
+            let rows = kind.num_rows(b);
+            let need_tokens = req.num_computed() + rows;
             if rows == 0 || rows > budget {
                 i += 1;
                 continue;
@@ -320,20 +338,25 @@ impl Scheduler {
             }
         }
 
-        // FCFS admission; none in a step that had to preempt.
+        // FCFS admission (sharing cached prefix pages); none in a step that had to preempt.
         while only.is_none() && !preempted_any && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&h) = self.waiting.front() else { break };
             let req = self.requests.get_mut(&h).expect("waiting request");
             let (target, sample) = req.prefill_target();
-            let len = target.min(budget);
-            if !req.grow_pages(self.pool.pages_for(len)) {
+            let hits = if self.cfg.enable_prefix_caching { req.cache_lookup() } else { Vec::new() };
+            let start = hits.len() * self.cfg.page_size;
+            let len = (target - start).min(budget);
+            if !req.admit(&hits, self.pool.pages_for(start + len)) {
                 break;
             }
-            req.admit();
+            if self.cfg.enable_prefix_caching {
+                self.prefix_cache_queries += req.tokens().len() as u64;
+                self.prefix_cache_hits += start as u64;
+            }
             max_pages = max_pages.max(req.pages().len());
             self.waiting.pop_front();
             self.running.push(h);
-            chosen.push((h, EntryKind::Prefill { start: 0, len, sample: sample && len == target }));
+            chosen.push((h, EntryKind::Prefill { start, len, sample: sample && start + len == target }));
             budget -= len;
         }
 
@@ -358,13 +381,7 @@ impl Scheduler {
         let num_decode = chosen.iter().filter(|(_, k)| matches!(k, EntryKind::Decode { .. })).count();
         plan.num_decode = num_decode;
         let ps = self.cfg.page_size;
-        let rows: usize = chosen
-            .iter()
-            .map(|(_, k)| match k {
-                EntryKind::Prefill { len, .. } => *len,
-                EntryKind::Decode { .. } => b,
-            })
-            .sum();
+        let rows: usize = chosen.iter().map(|(_, k)| k.num_rows(b)).sum();
         plan.sample_rows.reserve(num_decode * b + chosen.len());
         plan.verify_target_rows.reserve(num_decode * b);
         plan.entries.reserve(chosen.len());
@@ -379,6 +396,17 @@ impl Scheduler {
         for (h, kind) in chosen {
             let req = &self.requests[h];
             let (tokens, pages) = (req.tokens(), req.pages().pages());
+            // Every slot this step writes (prefill rows; verify rows and the draft block's
+            // scratch rows, same slots) lies past the frozen pages: a published page never changes.
+            let write_start = match *kind {
+                EntryKind::Prefill { start, .. } => start,
+                EntryKind::Decode { committed } => committed,
+            };
+            assert!(
+                write_start >= req.num_frozen_pages() * ps,
+                "request {h}: step writes position {write_start} inside its frozen prefix of {} pages",
+                req.num_frozen_pages()
+            );
             let q_start = t.input_ids.len();
             let sample_start = plan.sample_rows.len();
             let seq_len = match *kind {
@@ -461,6 +489,7 @@ impl Scheduler {
             offsets: Vec::with_capacity(n + 1),
             tokens: Vec::with_capacity(sampled.len()),
             finish: Vec::with_capacity(n),
+            num_cached_tokens: Vec::with_capacity(n),
         };
         out.offsets.push(0);
         for (e, &a) in o.entries.iter().zip(accepted) {
@@ -470,8 +499,13 @@ impl Scheduler {
                 EntryKind::Prefill { start, len, sample } => req.finish_prefill_chunk(start, len, sample.then(|| s[0])),
                 EntryKind::Decode { committed } => req.apply_verify(committed, &s[..a as usize + 1]),
             };
+            if self.cfg.enable_prefix_caching {
+                // Before any removal: a request finished mid-block still computed its prefix.
+                req.publish_computed();
+            }
             let toks = req.tokens();
             out.tokens.extend(toks[toks.len() - applied.new_tokens..].iter().map(|&t| t as i64));
+            out.num_cached_tokens.push(req.num_cached_tokens() as u32);
             if let Some(reason) = applied.finish {
                 self.remove(e.handle, reason);
             }
@@ -533,6 +567,16 @@ impl Scheduler {
         self.pool.num_free()
     }
 
+    /// Tokens of admitted requests looked up in the prefix cache (vLLM's `prefix_cache_queries`).
+    pub fn prefix_cache_queries(&self) -> u64 {
+        self.prefix_cache_queries
+    }
+
+    /// Of those, tokens served from the cache (vLLM's `prefix_cache_hits`).
+    pub fn prefix_cache_hits(&self) -> u64 {
+        self.prefix_cache_hits
+    }
+
     /// Fraction of usable pages owned by requests.
     pub fn kv_usage(&self) -> f64 {
         1.0 - self.pool.num_free() as f64 / self.pool.num_usable() as f64
@@ -549,18 +593,42 @@ impl Scheduler {
         self.pool.check_integrity()?;
         let b = self.cfg.block_rows();
         let in_step: Vec<u64> = self.outstanding.iter().flat_map(|o| o.entries.iter().map(|e| e.handle)).collect();
-        let mut owner = vec![0u64; self.pool.num_pages()];
+        let ps = self.cfg.page_size;
+        let mut owners = vec![0u32; self.pool.num_pages()];
         for (h, r) in &self.requests {
-            for &p in r.pages().pages() {
+            let frozen = r.num_frozen_pages();
+            if frozen > r.pages().len() {
+                return Err(format!("request {h}: {frozen} frozen pages but {} pages", r.pages().len()));
+            }
+            if frozen * ps > r.num_computed() {
+                return Err(format!("request {h}: frozen pages reach past computed {}", r.num_computed()));
+            }
+            if !self.cfg.enable_prefix_caching && frozen > 0 {
+                return Err(format!("request {h} has frozen pages with prefix caching off"));
+            }
+            for (j, &p) in r.pages().pages().iter().enumerate() {
                 if p == NULL_PAGE {
                     return Err(format!("request {h} owns the null page"));
                 }
-                if owner[p as usize] != 0 {
-                    return Err(format!("page {p} owned by {} and {h}", owner[p as usize]));
+                if r.pages().pages()[..j].contains(&p) {
+                    return Err(format!("request {h} holds page {p} twice"));
                 }
-                owner[p as usize] = *h;
-                if self.pool.refcount(p) != 1 {
-                    return Err(format!("page {p} has refcount {} but one owner", self.pool.refcount(p)));
+                owners[p as usize] += 1;
+                let meta = self.pool.cache_meta(p);
+                if j < frozen {
+                    // Its own publication or a hit: the entry it recorded; or a private
+                    // duplicate of a page published first (then unpublished, refcount 1).
+                    match meta {
+                        Some(m) if m.entry != r.frozen_entries()[j] => {
+                            return Err(format!("request {h}: frozen page {p} is entry {} not {}", m.entry, r.frozen_entries()[j]))
+                        }
+                        None if self.pool.refcount(p) != 1 => {
+                            return Err(format!("request {h}: unpublished page {p} is shared"))
+                        }
+                        _ => {}
+                    }
+                } else if meta.is_some() || self.pool.refcount(p) != 1 {
+                    return Err(format!("request {h}: page {p} past the frozen prefix is published or shared"));
                 }
             }
             if self.ids.get(r.id()) != Some(h) {
@@ -602,9 +670,17 @@ impl Scheduler {
         if self.ids.len() != self.requests.len() {
             return Err("the id registry and the live requests differ".into());
         }
-        let owned = owner.iter().filter(|&&o| o != 0).count();
+        for (p, &n) in owners.iter().enumerate() {
+            if self.pool.refcount(p as u32) != n {
+                return Err(format!("page {p} has refcount {} but {n} owners", self.pool.refcount(p as u32)));
+            }
+        }
+        let owned = owners.iter().filter(|&&o| o != 0).count();
         if owned + self.pool.num_free() != self.pool.num_usable() {
             return Err("owned + free != usable pages".into());
+        }
+        if !self.cfg.enable_prefix_caching && self.pool.num_cached() > 0 {
+            return Err("pages published with prefix caching off".into());
         }
         if self.running.len() > self.cfg.max_num_seqs {
             return Err("more running requests than max_num_seqs".into());

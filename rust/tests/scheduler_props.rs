@@ -1,5 +1,16 @@
 //! Random interleavings of add / schedule / commit (random acceptance) / abort / cancel under
-//! page pressure, checked against a simple reference model after every operation.
+//! page pressure, with prompts that share prefixes (prefix caching on), checked against a
+//! simple reference model after every operation:
+//! - every request's tokens follow the model;
+//! - the KV content model: every slot a step writes records the token prefix its KV is a
+//!   function of; every position a step reads (the prefix before its first row) must hold
+//!   exactly the request's own prefix, so a cache hit on unequal tokens, or a shared or
+//!   published page overwritten, is caught the first time anyone reads it;
+//! - no step writes a published or shared page;
+//! - refcounts equal the number of page tables holding each page (counted here, not by the core);
+//! - admission shares at least every page that a live request holds published with an equal
+//!   token prefix (and never the page holding the last token to prefill);
+//! - the pool is full again after every request finishes.
 
 use std::collections::HashMap;
 
@@ -8,7 +19,11 @@ use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Add { prompt_len: usize, max_tokens: usize, stop: bool },
+    /// prompt = the first `shared` tokens of family `family` ++ `own` fresh tokens.
+    Add { family: usize, shared: usize, own: usize, max_tokens: usize, stop: bool },
+    /// prompt = a live request's known tokens (prompt + output) ++ `own` fresh tokens: a
+    /// second chat turn.
+    AddFollowUp { pick: usize, own: usize, max_tokens: usize },
     Step { seed: u64 },
     Abort { pick: usize },
     StepThenAbortBeforeCommit { seed: u64, pick: usize },
@@ -17,12 +32,27 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (1usize..40, 1usize..24, any::<bool>()).prop_map(|(p, m, s)| Op::Add { prompt_len: p, max_tokens: m, stop: s }),
+        3 => (0usize..3, 0usize..40, 0usize..10, 1usize..24, any::<bool>())
+            .prop_map(|(family, shared, own, max_tokens, stop)| Op::Add { family, shared, own, max_tokens, stop }),
+        1 => (any::<usize>(), 1usize..6, 1usize..12).prop_map(|(pick, own, max_tokens)| Op::AddFollowUp { pick, own, max_tokens }),
         8 => any::<u64>().prop_map(|seed| Op::Step { seed }),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
         1 => (any::<u64>(), any::<usize>()).prop_map(|(seed, pick)| Op::StepThenAbortBeforeCommit { seed, pick }),
         1 => any::<u64>().prop_map(|seed| Op::StepThenCancel { seed }),
     ]
+}
+
+/// Token `i` of family `f`: families 0 and 1 share their first 6 tokens, then diverge.
+/// Family 2 is family 0 with its second token changed (+8): its first page differs but every
+/// later page holds the same tokens as family 0's, and under the weak test hash (a sum mod 4)
+/// every page hashes as family 0's does: only the parent check tells them apart.
+fn family_token(f: usize, i: usize) -> u32 {
+    match (f, i) {
+        (2, 1) => 109,
+        (2, _) => family_token(0, i),
+        (_, i) if i < 6 => 100 + i as u32,
+        _ => 200 + (f * 64 + i) as u32,
+    }
 }
 
 /// splitmix64: deterministic per-op randomness for acceptance and sampled tokens.
@@ -52,28 +82,59 @@ struct Model {
 
 const STOP: u32 = 3;
 
+/// What one planned row will leave in its slot once the step ran.
+#[derive(Debug, Clone, Copy)]
+enum RowContent {
+    /// KV of the known token at this position (prefill rows).
+    Known(usize),
+    /// Verify row `i` of a block at `committed`: the KV of the committed token there if the
+    /// commit keeps it, else garbage.
+    Verify { committed: usize, i: usize },
+}
+
 struct Harness {
     s: Scheduler,
     model: HashMap<u64, Model>,
+    /// slot -> the token prefix its K/V (target and draft) were computed from; None = garbage.
+    content: HashMap<i64, Option<Vec<u32>>>,
     next_id: u64,
     b: usize,
+    ps: usize,
 }
 
 impl Harness {
     fn check(&self) {
         self.s.check_invariants().unwrap();
         assert_eq!(self.s.num_live(), self.model.len());
+        let pool = self.s.pool();
+        let mut owners: HashMap<u32, u32> = HashMap::new();
         for (h, m) in &self.model {
             let r = self.s.request(*h).expect("model request live in scheduler");
             assert_eq!(self.s.handle_of(&m.id), Some(*h), "one registry: id -> handle");
             assert_eq!(r.tokens(), &m.tokens[..], "request {h} tokens diverged from the model");
+            for &p in r.pages().pages() {
+                *owners.entry(p).or_default() += 1;
+            }
+        }
+        // Reference refcounts: the page tables, counted here.
+        for p in 1..pool.num_pages() as u32 {
+            let n = owners.get(&p).copied().unwrap_or(0);
+            assert_eq!(pool.refcount(p), n, "page {p}: refcount vs page tables");
+            if n > 1 {
+                assert!(pool.cache_meta(p).is_some(), "shared page {p} is not published");
+            }
         }
     }
 
-    fn add(&mut self, prompt_len: usize, max_tokens: usize, stop: bool) {
+    fn fresh_tokens(&mut self, n: usize) -> Vec<u32> {
+        let base = 10_000 + self.next_id as u32 * 64;
+        (0..n as u32).map(|i| base + i).collect()
+    }
+
+    fn add(&mut self, prompt: Vec<u32>, max_tokens: usize, stop: bool) {
         let id = format!("r{}", self.next_id);
         self.next_id += 1;
-        let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| 10 + i).collect();
+        let prompt_len = prompt.len();
         let stop_ids = if stop { vec![STOP] } else { vec![] };
         match self.s.add_request(&id, prompt.clone(), max_tokens, stop_ids.clone()) {
             Ok(h) => {
@@ -84,10 +145,26 @@ impl Harness {
                 let too_long = prompt_len + max_tokens > cfg.max_model_len;
                 let too_big = (prompt_len + max_tokens + self.b).div_ceil(cfg.page_size) > cfg.num_pages - 1;
                 assert_eq!(too_big, pages_per_seq(prompt_len + max_tokens, self.b, cfg.page_size) > cfg.num_pages - 1);
-                assert!(too_long || too_big, "rejected a request that fits");
+                assert!(prompt_len == 0 || too_long || too_big, "rejected a request that fits");
             }
             Err(e) => panic!("unexpected {e}"),
         }
+    }
+
+    fn add_family(&mut self, family: usize, shared: usize, own: usize, max_tokens: usize, stop: bool) {
+        let mut prompt: Vec<u32> = (0..shared).map(|i| family_token(family, i)).collect();
+        prompt.extend(self.fresh_tokens(own));
+        self.add(prompt, max_tokens, stop);
+    }
+
+    fn add_follow_up(&mut self, pick: usize, own: usize, max_tokens: usize) {
+        let handles = self.s.handles();
+        if handles.is_empty() {
+            return;
+        }
+        let mut prompt = self.model[&handles[pick % handles.len()]].tokens.clone();
+        prompt.extend(self.fresh_tokens(own));
+        self.add(prompt, max_tokens, false);
     }
 
     /// (phase, committed) of a live request: the committed count as the model defines it.
@@ -96,19 +173,88 @@ impl Harness {
         (r.phase(), r.num_computed())
     }
 
+    /// Pages a queued request must share when admitted now: the longest run of leading
+    /// pages that some live request holds *published* with an equal token prefix, short of
+    /// the page holding the last token to prefill.
+    fn expected_hit_pages(&self, w: u64) -> usize {
+        let ps = self.ps;
+        let m = &self.model[&w];
+        let target = if m.tokens.len() == m.prompt_len { m.prompt_len } else { m.tokens.len() - 1 };
+        let cap = (target - 1) / ps;
+        let mut best = 0;
+        for (q, mq) in &self.model {
+            let r = self.s.request(*q).unwrap();
+            let mut j = 0;
+            while j < cap
+                && j < r.pages().len()
+                && self.s.pool().cache_meta(r.pages().pages()[j]).is_some()
+                && mq.tokens.len() >= (j + 1) * ps
+                && mq.tokens[..(j + 1) * ps] == m.tokens[..(j + 1) * ps]
+            {
+                j += 1;
+            }
+            best = best.max(j);
+        }
+        best
+    }
+
     /// Schedule and produce random results. `None` when there is nothing to run.
+    #[allow(clippy::type_complexity)]
     fn plan(&mut self, seed: u64) -> Option<(StepTicket, StepPlan, Vec<u32>, Vec<u32>)> {
         let before: HashMap<u64, (Phase, usize)> = self.model.keys().map(|h| (*h, self.state(*h))).collect();
+        let expected: HashMap<u64, usize> = before
+            .iter()
+            .filter(|(_, (ph, _))| matches!(ph, Phase::Waiting | Phase::Preempted))
+            .map(|(h, _)| (*h, self.expected_hit_pages(*h)))
+            .collect();
         let Some((ticket, plan)) = self.s.schedule().unwrap() else {
             assert_eq!(self.s.num_running(), 0, "nothing scheduled while requests run");
             self.check();
             return None;
         };
         self.check();
+        let ps = self.ps;
         for e in &plan.entries {
-            if let EntryKind::Decode { committed } = e.kind {
-                assert!(self.s.request(e.handle).unwrap().pages().capacity() >= committed + self.b);
-                assert_eq!(before[&e.handle], (Phase::Decoding, committed));
+            let r = self.s.request(e.handle).unwrap();
+            let tokens = &self.model[&e.handle].tokens;
+            let read_end = match e.kind {
+                EntryKind::Decode { committed } => {
+                    assert!(r.pages().capacity() >= committed + self.b);
+                    assert_eq!(before[&e.handle], (Phase::Decoding, committed));
+                    committed
+                }
+                EntryKind::Prefill { start, .. } => {
+                    if let Some(&want) = expected.get(&e.handle) {
+                        // Admitted in this step: a whole number of shared pages, at least the
+                        // live published run, and never the last token to prefill.
+                        let target = if tokens.len() == self.model[&e.handle].prompt_len { tokens.len() } else { tokens.len() - 1 };
+                        assert_eq!(start % ps, 0);
+                        assert!(start < target, "the whole prefill came from the cache");
+                        assert!(start >= want * ps, "request {}: hit {start} tokens, a live request publishes {}", e.handle, want * ps);
+                        assert_eq!(r.num_frozen_pages(), start / ps);
+                    }
+                    start
+                }
+            };
+            // Every position before the step's first row must hold this request's own prefix.
+            for pos in 0..read_end {
+                let slot = r.pages().slot(pos);
+                match self.content.get(&slot) {
+                    Some(Some(prefix)) => assert_eq!(
+                        &prefix[..],
+                        &tokens[..=pos],
+                        "request {} reads slot {slot} (position {pos}) holding another prefix",
+                        e.handle
+                    ),
+                    other => panic!("request {} reads slot {slot} (position {pos}): {other:?}", e.handle),
+                }
+            }
+            // Every slot it writes is private and unpublished.
+            for row in e.q_start..e.q_start + e.num_rows() {
+                let slot = plan.target.slot_mapping[row];
+                let page = (slot / ps as i64) as u32;
+                assert_eq!(self.s.pool().refcount(page), 1, "step writes shared page {page}");
+                assert!(self.s.pool().cache_meta(page).is_none(), "step writes published page {page}");
             }
         }
         let mut rng = Rng(seed);
@@ -117,12 +263,51 @@ impl Harness {
         Some((ticket, plan, accepted, sampled))
     }
 
+    /// The rows of `plan` as (slot, what the row computes), for the content model.
+    fn rows(plan: &StepPlan) -> Vec<(u64, Vec<(i64, RowContent)>)> {
+        plan.entries
+            .iter()
+            .map(|e| {
+                let rows = (0..e.num_rows())
+                    .map(|i| {
+                        let slot = plan.target.slot_mapping[e.q_start + i];
+                        let c = match e.kind {
+                            EntryKind::Prefill { start, .. } => RowContent::Known(start + i),
+                            EntryKind::Decode { committed } => RowContent::Verify { committed, i },
+                        };
+                        (slot, c)
+                    })
+                    .collect();
+                (e.handle, rows)
+            })
+            .collect()
+    }
+
+    /// The step ran but nothing was committed (cancelled, or its request aborted): its rows
+    /// hold KV nobody may read as committed.
+    fn scribble(&mut self, plan: &StepPlan) {
+        for (_, rows) in Self::rows(plan) {
+            for (slot, _) in rows {
+                self.content.insert(slot, None);
+            }
+        }
+    }
+
     fn commit(&mut self, ticket: StepTicket, plan: &StepPlan, accepted: &[u32], sampled: &[u32]) {
         let before: HashMap<u64, (Phase, usize)> =
             plan.entries.iter().filter(|e| self.model.contains_key(&e.handle)).map(|e| (e.handle, self.state(e.handle))).collect();
         let out = self.s.commit(ticket, accepted, sampled).map_err(|r| r.error).unwrap();
         let live: Vec<_> = plan.entries.iter().zip(accepted).filter(|(e, _)| before.contains_key(&e.handle)).collect();
         assert_eq!(out.handles.len(), live.len(), "one result per still-live planned request");
+        // What the step wrote, in the model's terms (the committed tokens are known after the loop).
+        let rows: HashMap<u64, Vec<(i64, RowContent)>> = Self::rows(plan).into_iter().collect();
+        for (h, rs) in &rows {
+            if !before.contains_key(h) {
+                for (slot, _) in rs {
+                    self.content.insert(*slot, None); // aborted before commit
+                }
+            }
+        }
         for (i, (e, &a)) in live.into_iter().enumerate() {
             let h = out.handles[i];
             assert_eq!(h, e.handle);
@@ -151,6 +336,18 @@ impl Harness {
             }
             assert_eq!(new_tokens, expect);
             assert_eq!(FinishReason::from_code(out.finish[i]), finish);
+            // The rows' KV: a prefill row holds its known token's prefix; verify row i holds
+            // the committed token's prefix iff the commit kept row i (a request finished
+            // mid-block keeps the rows up to its last committed token), else garbage.
+            let tokens = &m.tokens;
+            let committed_now = tokens.len() - 1;
+            for &(slot, c) in &rows[&h] {
+                let pos = match c {
+                    RowContent::Known(pos) => Some(pos),
+                    RowContent::Verify { committed, i } => Some(committed + i).filter(|&p| p < committed_now),
+                };
+                self.content.insert(slot, pos.map(|p| tokens[..=p].to_vec()));
+            }
             if finish.is_some() {
                 let m = self.model.remove(&h).unwrap();
                 assert!(self.s.request(h).is_none() && self.s.handle_of(&m.id).is_none());
@@ -176,7 +373,7 @@ impl Harness {
     }
 }
 
-fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize) {
+fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize, weak_hash: bool) {
     let cfg = SchedulerConfig {
         num_pages,
         page_size: 4,
@@ -185,11 +382,18 @@ fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize) {
         max_model_len: 64,
         num_speculative_tokens: k,
         mask_token_id: 1,
+        enable_prefix_caching: true,
     };
-    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), model: HashMap::new(), next_id: 0, b: k + 1 };
+    let s = Scheduler::new(cfg).unwrap();
+    if weak_hash {
+        // Four hash values in all: nearly every lookup and publication meets a collision.
+        s.pool().set_hash_fn(|_, parent, toks| (parent + toks.iter().map(|&t| t as u64).sum::<u64>()) % 4);
+    }
+    let mut h = Harness { s, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, ps: 4 };
     for op in ops {
         match op {
-            Op::Add { prompt_len, max_tokens, stop } => h.add(prompt_len, max_tokens, stop),
+            Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),
+            Op::AddFollowUp { pick, own, max_tokens } => h.add_follow_up(pick, own, max_tokens),
             Op::Step { seed } => {
                 if let Some((t, p, a, s)) = h.plan(seed) {
                     h.commit(t, &p, &a, &s);
@@ -206,6 +410,7 @@ fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize) {
                 // A refused commit changes nothing and returns the ticket.
                 let snapshot: Vec<(u64, Vec<u32>)> =
                     h.model.keys().map(|k| (*k, h.s.request(*k).unwrap().tokens().to_vec())).collect();
+                let cached = h.s.pool().num_cached();
                 let mut too_many = a.clone();
                 too_many[0] = p.entries[0].num_drafts() as u32 + 1;
                 let refused = h.s.commit(t, &too_many, &s).unwrap_err();
@@ -213,12 +418,16 @@ fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize) {
                 for (k, toks) in snapshot {
                     assert_eq!(h.s.request(k).unwrap().tokens(), &toks[..], "a refused commit changed state");
                 }
+                assert_eq!(h.s.pool().num_cached(), cached, "a refused commit published pages");
                 h.commit(refused.ticket, &p, &a, &s);
             }
             Op::StepThenCancel { seed } => {
-                if let Some((t, _, _, _)) = h.plan(seed) {
+                if let Some((t, p, _, _)) = h.plan(seed) {
+                    let cached = h.s.pool().num_cached();
                     h.s.cancel(t).unwrap();
                     assert_eq!(h.s.outstanding_step(), None);
+                    assert_eq!(h.s.pool().num_cached(), cached, "a cancelled step published pages");
+                    h.scribble(&p);
                     h.check();
                 }
             }
@@ -235,6 +444,8 @@ fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize) {
     }
     assert_eq!(h.s.num_live(), 0, "requests left after draining");
     assert_eq!(h.s.num_free_pages(), num_pages - 1, "pool not full after all requests finished");
+    assert!(h.s.prefix_cache_hits() <= h.s.prefix_cache_queries());
+    h.s.pool().check_integrity().unwrap();
 }
 
 proptest! {
@@ -242,16 +453,63 @@ proptest! {
 
     #[test]
     fn speculative_under_page_pressure(ops in prop::collection::vec(op(), 1..120), pages in 8usize..40) {
-        run(ops, pages, 3, 24);
+        run(ops, pages, 3, 24, false);
     }
 
     #[test]
     fn plain_decode_small_budget(ops in prop::collection::vec(op(), 1..120), pages in 20usize..40) {
-        run(ops, pages, 0, 5);
+        run(ops, pages, 0, 5, false);
     }
 
     #[test]
     fn wide_blocks(ops in prop::collection::vec(op(), 1..80)) {
-        run(ops, 48, 15, 64);
+        run(ops, 48, 15, 64, false);
     }
+
+    #[test]
+    fn colliding_hashes_only_cost_hits(ops in prop::collection::vec(op(), 1..120), pages in 10usize..40) {
+        run(ops, pages, 3, 16, true);
+    }
+}
+
+/// A reproducible check that the harness sees hits at all (the properties above would
+/// pass vacuously if nothing were ever shared).
+#[test]
+fn shared_prefixes_hit_in_the_harness() {
+    let ops = vec![
+        Op::Add { family: 0, shared: 30, own: 2, max_tokens: 4, stop: false },
+        Op::Step { seed: 1 },
+        Op::Add { family: 0, shared: 30, own: 3, max_tokens: 4, stop: false },
+        Op::Add { family: 1, shared: 20, own: 0, max_tokens: 4, stop: false },
+        Op::Step { seed: 2 },
+        Op::AddFollowUp { pick: 0, own: 2, max_tokens: 3 },
+        Op::Step { seed: 3 },
+        Op::Step { seed: 4 },
+    ];
+    let cfg = SchedulerConfig {
+        num_pages: 40,
+        page_size: 4,
+        max_num_seqs: 6,
+        max_num_batched_tokens: 64,
+        max_model_len: 64,
+        num_speculative_tokens: 3,
+        mask_token_id: 1,
+        enable_prefix_caching: true,
+    };
+    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, ps: 4 };
+    for op in ops {
+        match op {
+            Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),
+            Op::AddFollowUp { pick, own, max_tokens } => h.add_follow_up(pick, own, max_tokens),
+            Op::Step { seed } => {
+                if let Some((t, p, a, s)) = h.plan(seed) {
+                    h.commit(t, &p, &a, &s);
+                }
+            }
+            _ => unreachable!(),
+        }
+    }
+    // Second request: 7 pages of family 0; third: page 0 holds 4 of the 6 common tokens, page 1
+    // diverges at token 6; the follow-up shares everything its parent committed.
+    assert!(h.s.prefix_cache_hits() >= 28 + 4, "hits: {}", h.s.prefix_cache_hits());
 }

@@ -9,6 +9,7 @@ fn cfg(num_pages: usize, k: usize) -> SchedulerConfig {
         max_model_len: 128,
         num_speculative_tokens: k,
         mask_token_id: 999,
+        enable_prefix_caching: true,
     }
 }
 
@@ -223,10 +224,13 @@ fn preemption_evicts_the_newest_and_resumes_without_resampling() {
     let sampled: Vec<u32> = p.sample_rows.iter().map(|_| 12).collect();
     commit(&mut s, t, &vec![0; p.entries.len()], &sampled);
     s.finish(a, FinishReason::Abort).unwrap();
-    // b resumes: recompute all tokens but the bonus, sample nothing, keep the bonus.
+    // b resumes: recompute all tokens but the bonus, sample nothing, keep the bonus. Its
+    // first page (published when b was preempted, freed last) is still cached: a's growth
+    // evicted b's second page, which was freed first.
     let tokens_b = s.request(b).unwrap().tokens().to_vec();
     let (t, p) = step(&mut s);
-    assert_eq!(p.entries[0].kind, EntryKind::Prefill { start: 0, len: tokens_b.len() - 1, sample: false });
+    assert_eq!(p.entries[0].kind, EntryKind::Prefill { start: 4, len: tokens_b.len() - 5, sample: false });
+    assert_eq!(s.request(b).unwrap().num_cached_tokens(), 0, "cached tokens count the first admission");
     assert!(p.sample_rows.is_empty());
     let out = commit(&mut s, t, &[0], &[]);
     assert!(out[0].1.is_empty());
@@ -301,5 +305,208 @@ fn schedule_only_plans_one_running_request_and_admits_nobody() {
     commit(&mut s, t, &[0], &[1, 1, 1, 1]);
     assert!(s.schedule_only(c).unwrap().is_none(), "a waiting request is not admitted");
     assert_eq!(s.request(a).unwrap().num_computed(), 3, "a did not run");
+    s.check_invariants().unwrap();
+}
+
+// ---- prefix caching ------------------------------------------------------------------
+
+/// Runs every request to completion with sampled token `tok` and full rejection.
+fn drain(s: &mut Scheduler, tok: u32) {
+    while let Some((t, p)) = s.schedule().unwrap() {
+        let sampled = vec![tok; p.sample_rows.len()];
+        commit(s, t, &vec![0; p.entries.len()], &sampled);
+        s.check_invariants().unwrap();
+    }
+}
+
+fn prefill_of(p: &StepPlan, h: u64) -> EntryKind {
+    p.entries.iter().find(|e| e.handle == h).expect("planned").kind
+}
+
+#[test]
+fn admission_shares_the_longest_cached_run_of_equal_full_pages() {
+    let mut s = sched(32, 3);
+    let a = s.add_request("a", (1..=10).collect(), 1, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    let pages_a = s.request(a).unwrap().pages().pages().to_vec();
+    commit(&mut s, t, &[0], &[50]); // a finishes (max_tokens 1); its 2 full pages stay cached
+    assert_eq!(s.pool().num_cached(), 2);
+    assert_eq!(s.num_free_pages(), 31, "cached pages are free");
+    // b shares tokens 1..=8 and then differs; c differs inside the second page.
+    let mut pb: Vec<u32> = (1..=8).collect();
+    pb.extend([70, 71, 72]);
+    let b = s.add_request("b", pb, 4, vec![]).unwrap();
+    let c = s.add_request("c", vec![1, 2, 3, 4, 5, 6, 99, 8, 9], 4, vec![]).unwrap();
+    let (t, p) = step(&mut s);
+    assert_eq!(prefill_of(&p, b), EntryKind::Prefill { start: 8, len: 3, sample: true });
+    assert_eq!(prefill_of(&p, c), EntryKind::Prefill { start: 4, len: 5, sample: true });
+    // Rows start past the hit: b's first row is token 70 at position 8, in a fresh page.
+    let eb = p.entries.iter().find(|e| e.handle == b).unwrap();
+    assert_eq!((p.target.input_ids[eb.q_start], p.target.positions[eb.q_start]), (70, 8));
+    assert_eq!(&s.request(b).unwrap().pages().pages()[..2], &pages_a[..2]);
+    assert_eq!(&s.request(c).unwrap().pages().pages()[..1], &pages_a[..1]);
+    assert_eq!(s.pool().refcount(pages_a[0]), 2);
+    assert_eq!((s.request(b).unwrap().num_cached_tokens(), s.request(c).unwrap().num_cached_tokens()), (8, 4));
+    assert_eq!((s.prefix_cache_queries(), s.prefix_cache_hits()), (10 + 11 + 9, 12));
+    s.check_invariants().unwrap();
+    let out = s.commit(t, &[0, 0], &[5, 6]).map_err(|r| r.error).unwrap();
+    assert_eq!(out.num_cached_tokens, vec![8, 4]);
+    drain(&mut s, 7);
+    assert_eq!(s.num_free_pages(), 31);
+    s.pool().check_integrity().unwrap();
+}
+
+#[test]
+fn at_least_one_prompt_token_is_computed() {
+    let mut s = sched(32, 0);
+    s.add_request("a", (1..=8).collect(), 1, vec![]).unwrap();
+    drain(&mut s, 9);
+    // The same 8-token prompt: both pages are cached, but the last one ends the prompt, so
+    // it is recomputed (its last row's logits give the first token).
+    let b = s.add_request("b", (1..=8).collect(), 1, vec![]).unwrap();
+    let (t, p) = step(&mut s);
+    assert_eq!(p.entries[0].kind, EntryKind::Prefill { start: 4, len: 4, sample: true });
+    assert_eq!(p.sample_rows, vec![3]);
+    commit(&mut s, t, &[0], &[9]);
+    assert!(s.request(b).is_none());
+    // A 9-token prompt sharing both pages computes only its ninth token.
+    let c = s.add_request("c", (1..=9).collect(), 2, vec![]).unwrap();
+    let (_, p) = step(&mut s);
+    assert_eq!(p.entries[0].kind, EntryKind::Prefill { start: 8, len: 1, sample: true });
+    assert_eq!(s.request(c).unwrap().num_cached_tokens(), 8);
+}
+
+#[test]
+fn pages_are_published_only_once_the_committed_prefix_covers_them() {
+    let mut s = sched(32, 3);
+    let a = s.add_request("a", vec![1, 2, 3, 4, 5, 6], 20, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[7]);
+    // committed 6: page 0 published, page 1 (positions 4..8) not: its draft context and
+    // target KV for positions 6, 7 do not exist yet.
+    assert_eq!(s.request(a).unwrap().num_frozen_pages(), 1);
+    let (t, p) = step(&mut s);
+    // The verify block (and the draft block: same slots) writes positions 6..10, past page 0.
+    assert_eq!(p.target.positions, vec![6, 7, 8, 9]);
+    // A request arriving now shares only page 0 even though its prompt equals a's tokens.
+    let b = s.add_request("b", vec![1, 2, 3, 4, 5, 6, 7, 8, 9], 4, vec![]).unwrap();
+    // Accept 1 of 3 drafts: committed 6 -> 8 (tokens 7, 8 committed) covers page 1.
+    commit(&mut s, t, &[1], &[8, 9, 0, 0]);
+    assert_eq!(s.request(a).unwrap().tokens(), &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(s.request(a).unwrap().num_frozen_pages(), 2);
+    let (_, p) = step(&mut s);
+    assert_eq!(prefill_of(&p, b), EntryKind::Prefill { start: 8, len: 1, sample: true });
+    let pa = s.request(a).unwrap().pages().pages().to_vec();
+    assert_eq!(&s.request(b).unwrap().pages().pages()[..2], &pa[..2], "b shares a's committed pages");
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn chunked_prefill_publishes_each_chunk_for_the_next_request() {
+    let mut c = cfg(64, 3);
+    c.max_num_batched_tokens = 8;
+    let mut s = Scheduler::new(c).unwrap();
+    let prompt: Vec<u32> = (100..120).collect();
+    let a = s.add_request("a", prompt.clone(), 4, vec![]).unwrap();
+    let b = s.add_request("b", prompt.clone(), 4, vec![]).unwrap();
+    let (t, p) = step(&mut s);
+    assert_eq!(p.entries.len(), 1, "the budget is a's first chunk");
+    commit(&mut s, t, &[0], &[]);
+    // Each chunk's pages are published at its commit. a's second chunk takes the whole budget
+    // again, so b waits; beside a's last chunk, b shares the 4 pages a's chunks computed.
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[]);
+    let (_, p) = step(&mut s);
+    assert_eq!(prefill_of(&p, a), EntryKind::Prefill { start: 16, len: 4, sample: true });
+    assert_eq!(prefill_of(&p, b), EntryKind::Prefill { start: 16, len: 4, sample: true });
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn with_prefix_caching_off_nothing_is_shared_or_published() {
+    let mut c = cfg(32, 3);
+    c.enable_prefix_caching = false;
+    let mut s = Scheduler::new(c).unwrap();
+    s.add_request("a", (1..=10).collect(), 1, vec![]).unwrap();
+    drain(&mut s, 5);
+    let b = s.add_request("b", (1..=10).collect(), 1, vec![]).unwrap();
+    let (_, p) = step(&mut s);
+    assert_eq!(p.entries[0].kind, EntryKind::Prefill { start: 0, len: 10, sample: true });
+    assert_eq!((s.pool().num_cached(), s.request(b).unwrap().num_cached_tokens()), (0, 0));
+    assert_eq!((s.prefix_cache_queries(), s.prefix_cache_hits()), (0, 0));
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn cached_pages_are_evicted_least_recently_freed_first() {
+    let mut s = sched(9, 0); // 8 usable pages of 4
+    let old: Vec<u32> = (10..19).collect();
+    let new: Vec<u32> = (30..39).collect();
+    s.add_request("old", old.clone(), 1, vec![]).unwrap();
+    drain(&mut s, 1);
+    s.add_request("new", new.clone(), 1, vec![]).unwrap();
+    drain(&mut s, 1);
+    assert_eq!(s.pool().num_cached(), 4);
+    // A 20-token prompt of other tokens takes 5 pages: the 4 never-used/uncached ones, then
+    // the least recently freed cached page: old's deepest page (freed before its first).
+    let big = s.add_request("big", (50..70).collect(), 1, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    assert_eq!(s.pool().num_evictions(), 1);
+    commit(&mut s, t, &[0], &[1]);
+    assert!(s.request(big).is_none());
+    // big's 5 pages are cached too, freed after new's. old's first page survives; taking 2
+    // fresh pages for "o" then evicts the least recently freed cached pages: new's two.
+    let o = s.add_request("o", old, 1, vec![]).unwrap();
+    let (t, p) = step(&mut s);
+    assert_eq!(prefill_of(&p, o), EntryKind::Prefill { start: 4, len: 5, sample: true });
+    assert_eq!(s.pool().num_evictions(), 3);
+    commit(&mut s, t, &[0], &[1]);
+    let n = s.add_request("n", new, 1, vec![]).unwrap();
+    let (_, p) = step(&mut s);
+    assert_eq!(prefill_of(&p, n), EntryKind::Prefill { start: 0, len: 9, sample: true }, "new's pages are gone");
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn abort_and_failed_steps_leave_only_committed_pages_cached() {
+    let mut s = sched(32, 3);
+    let a = s.add_request("a", (1..=9).collect(), 20, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[10]);
+    // A verify step is planned (writes positions 9..13), then a is aborted before commit.
+    let (t, _) = step(&mut s);
+    s.finish(a, FinishReason::Abort).unwrap();
+    commit(&mut s, t, &[3], &[11, 12, 13, 14]);
+    assert_eq!(s.pool().num_cached(), 2, "only the pages of the committed prefix");
+    // A failed step commits nothing: b's rows past its hit are never published.
+    let b = s.add_request("b", (1..=12).collect(), 5, vec![]).unwrap();
+    let (t, p) = step(&mut s);
+    assert_eq!(prefill_of(&p, b), EntryKind::Prefill { start: 8, len: 4, sample: true });
+    s.fail(t, FinishReason::Error).unwrap();
+    assert_eq!(s.pool().num_cached(), 2);
+    assert_eq!(s.num_free_pages(), 31);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn equal_prefixes_computed_side_by_side_publish_once_and_chain_on() {
+    let mut s = sched(32, 0);
+    let prompt: Vec<u32> = (1..=9).collect();
+    let a = s.add_request("a", prompt.clone(), 6, vec![]).unwrap();
+    let b = s.add_request("b", prompt, 6, vec![]).unwrap();
+    let (t, _) = step(&mut s); // both prefill the same 9 tokens in one step: no hit possible
+    commit(&mut s, t, &[0, 0], &[20, 20]);
+    // a published pages 0, 1; b found them published: duplicates, b's pages stay private.
+    let (ra, rb) = (s.request(a).unwrap(), s.request(b).unwrap());
+    assert_eq!(ra.frozen_entries(), rb.frozen_entries());
+    assert!(rb.pages().pages().iter().all(|&p| s.pool().cache_meta(p).is_none()));
+    for _ in 0..3 {
+        let (t, _) = step(&mut s);
+        commit(&mut s, t, &[0, 0], &[21, 21]);
+    }
+    // committed 12: page 2 (tokens 9, 20, 21, 21) of a is published; b's is a duplicate.
+    assert_eq!(s.request(a).unwrap().num_frozen_pages(), 3);
+    assert_eq!(s.request(a).unwrap().frozen_entries(), s.request(b).unwrap().frozen_entries());
+    assert_eq!(s.pool().num_cached(), 3);
     s.check_invariants().unwrap();
 }
