@@ -70,10 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         return random_checkpoint_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        if args.enable_prefix_caching:
-            print("error: --enable-prefix-caching is not supported yet (prefix caching is not built); "
-                  "run without it or pass --no-enable-prefix-caching", file=sys.stderr)
-            return 2
         from .server.api_server import run_server
 
         run_server(args)

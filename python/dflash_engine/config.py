@@ -102,6 +102,8 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # GPU: no CUDA graphs (same shapes and tokens, slower)
     served_model_name: str | None = None
+    # Share the KV (target and draft) of cached prompt prefixes, as vLLM's --enable-prefix-caching.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

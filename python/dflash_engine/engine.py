@@ -38,6 +38,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # Prefix cache, in tokens: looked up at admission, and of those served from the cache.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -80,6 +83,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             num_speculative_tokens=self.num_speculative_tokens,
             mask_token_id=self.runner.mask_token_id,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.eos_token_ids = sorted(eos | set(self.model_config.eos_token_ids))
@@ -231,8 +235,10 @@ class LLMEngine:
     def _process(self, result) -> list[RequestOutput]:
         outputs = []
         offsets, tokens, codes = result.offsets, result.new_tokens, result.finish_codes
+        cached = result.num_cached_tokens
         for i, h in enumerate(result.handles.tolist()):
             req = self._requests[h]
+            req.num_cached_tokens = int(cached[i])
             new = tokens[offsets[i]:offsets[i + 1]].tolist()
             reason = _core.FINISH_REASONS[codes[i]]
             if not new and reason is None:
@@ -264,6 +270,7 @@ class LLMEngine:
         return dataclasses.replace(
             s, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions, spec_accepted_per_pos=list(s.spec_accepted_per_pos),
+            prefix_cache_queries=self.scheduler.prefix_cache_queries, prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )
 
 

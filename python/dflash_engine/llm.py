@@ -30,6 +30,7 @@ class LLM:
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
     ):
         self.engine = LLMEngine(
             EngineConfig(
@@ -37,6 +38,7 @@ class LLM:
                 max_model_len=max_model_len, num_gpu_blocks_override=num_gpu_blocks_override,
                 max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, seed=seed,
                 block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
                 enforce_eager=enforce_eager,
             )
         )

@@ -26,3 +26,5 @@ class RequestOutput:
     new_text: str = ""
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    # Prompt tokens whose KV came from the prefix cache (as vLLM reports it).
+    num_cached_tokens: int = 0

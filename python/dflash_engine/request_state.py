@@ -31,6 +31,7 @@ class RequestState:
         self.params = params
         self.seed = seed
         self.token_ids: list[int] = []
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (set by the engine)
         self.text = ""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
         self._stopped_by_string = False
@@ -86,6 +87,7 @@ class RequestState:
                 "first_token_time": self.first_token_time,
                 "token_times": self.token_times,
             },
+            num_cached_tokens=self.num_cached_tokens,
         )
         self._new_ids, self._new_text = [], ""
         return out

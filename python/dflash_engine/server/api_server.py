@@ -193,7 +193,7 @@ def _sse(obj: BaseModel | dict) -> str:
 
 
 def _usage(out: RequestOutput) -> p.UsageInfo:
-    return p.UsageInfo.of(len(out.prompt_token_ids), len(out.outputs[0].token_ids))
+    return p.UsageInfo.of(len(out.prompt_token_ids), len(out.outputs[0].token_ids), out.num_cached_tokens)
 
 
 class _CompletionShape:
@@ -454,14 +454,12 @@ def run_server(args: Any) -> None:
     from ..engine import LLMEngine
     from .cli_args import engine_kwargs
 
-    if args.enable_prefix_caching:
-        raise SystemExit("--enable-prefix-caching: prefix caching is not implemented in "
-                         "dflash-engine yet; run without it (--no-enable-prefix-caching)")
     engine = LLMEngine.from_kwargs(**engine_kwargs(args))
     block_size = engine.config.block_size
     spec = engine.config.speculative_config
     print(f"model: {engine.model_path}  max_model_len: {engine.max_model_len}  speculative: "
-          + (f"dflash draft {spec.model}, {engine.num_speculative_tokens} tokens" if spec else "off"))
+          + (f"dflash draft {spec.model}, {engine.num_speculative_tokens} tokens" if spec else "off")
+          + f"  prefix caching: {'on' if engine.config.enable_prefix_caching else 'off'}")
     print(f"KV pool: {engine.num_usable_pages} pages x {block_size} tokens = "
           f"{engine.num_usable_pages * block_size} tokens; max concurrency at max_model_len: "
           f"{engine.max_concurrency:.2f} (max_num_seqs {engine.config.max_num_seqs})", flush=True)

@@ -59,7 +59,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=False)
+                        default=True,
+                        help="share the KV of cached prompt prefixes (target and DFlash draft); "
+                             "on by default, --no-enable-prefix-caching turns it off")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='JSON, e.g. \'{"method": "dflash", "model": DRAFT_DIR, '
                              '"num_speculative_tokens": 15}\'')
@@ -83,6 +85,7 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from serve flags; unset flags keep the engine defaults."""
     kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    kwargs["enable_prefix_caching"] = bool(args.enable_prefix_caching)
     kwargs["model"] = args.model_flag or args.model
     return kwargs
 

@@ -32,6 +32,10 @@ _COUNTERS = [
     ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
     ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens",
      "Number of accepted tokens."),
+    ("vllm:prefix_cache_queries", "prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits",
+     "Prefix cache hits, in terms of number of cached tokens."),
 ]
 _GAUGES = [
     ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
