@@ -128,6 +128,8 @@ def _scrape(server) -> dict[tuple[str, tuple], float]:
 
 
 def _get(m: dict, name: str, **labels: str) -> float:
+    if name.startswith("vllm:spec_decode"):
+        labels = {"acceptance": "target", **labels}  # real acceptance, not the synthetic one
     return m[(name, tuple(sorted({"model_name": MODEL_NAME, **labels}.items())))]
 
 

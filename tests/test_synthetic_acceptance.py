@@ -96,3 +96,36 @@ def test_synthetic_through_the_kernel_decode_step(qwen3_dir, random_draft_dir, m
     assert ran and all(len(o.outputs[0].token_ids) == 9 for o in outs)
     st = llm.stats()
     assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens  # 1 + 4 + 4 tokens: two full blocks each
+
+
+def test_synthetic_is_labelled_in_metrics_responses_and_bench(fresh_server, spec_on_server):
+    """A server with synthetic acceptance says so in /metrics (acceptance label), in every
+    response's system_fingerprint, and in `bench serve`'s counters; a normal one does not."""
+    import asyncio
+
+    import httpx
+    from server_fixtures import MODEL_NAME, NUM_SPEC_TOKENS, tiny_model_dirs
+
+    from dflash_engine import bench_serve
+
+    _, draft = tiny_model_dirs(None)  # created by the spec_on_server fixture
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    for server, label in [
+        (fresh_server(speculative_config={**spec(draft, synthetic_acceptance_length=2.0),
+                                          "num_speculative_tokens": NUM_SPEC_TOKENS}), "synthetic"),
+        (spec_on_server, "target"),
+    ]:
+        r = httpx.post(f"{server.base_url}/completions", timeout=60, json=body)
+        fingerprint = "dflash-engine-synthetic-acceptance" if label == "synthetic" else "dflash-engine"
+        assert r.status_code == 200 and r.json()["system_fingerprint"] == fingerprint
+        text = httpx.get(f"{server.url}/metrics").text
+        assert f'vllm:spec_decode_num_drafts_total{{acceptance="{label}"' in text
+        counters = asyncio.run(_counters(bench_serve, server.url))
+        assert counters["synthetic"] == (1.0 if label == "synthetic" else 0.0)
+
+
+async def _counters(bench_serve, url):
+    import httpx
+
+    async with httpx.AsyncClient() as c:
+        return await bench_serve._spec_counters(c, url)

@@ -199,24 +199,25 @@ def _usage(out: RequestOutput) -> p.UsageInfo:
 class _CompletionShape:
     prompt_param = "prompt"  # what a 400 about the prompt names
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, fingerprint: str) -> None:
         self.id, self.model = request_id, model
+        self.fingerprint = fingerprint  # says "synthetic" when benchmark-only acceptance is on
 
     def head(self) -> list[BaseModel]:
         return []
 
     def chunk(self, text: str, finish: str | None, stop_reason: Any) -> BaseModel:
         choice = p.CompletionChoice(text=text, finish_reason=finish, stop_reason=stop_reason)
-        return p.CompletionResponse(id=self.id, model=self.model, choices=[choice])
+        return p.CompletionResponse(id=self.id, model=self.model, system_fingerprint=self.fingerprint, choices=[choice])
 
     def usage_chunk(self, out: RequestOutput) -> BaseModel:
-        return p.CompletionResponse(id=self.id, model=self.model, choices=[], usage=_usage(out))
+        return p.CompletionResponse(id=self.id, model=self.model, system_fingerprint=self.fingerprint, choices=[], usage=_usage(out))
 
     def full(self, out: RequestOutput) -> BaseModel:
         c = out.outputs[0]
         choice = p.CompletionChoice(text=c.text, finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason)
-        return p.CompletionResponse(id=self.id, model=self.model, choices=[choice],
+        return p.CompletionResponse(id=self.id, model=self.model, system_fingerprint=self.fingerprint, choices=[choice],
                                     usage=_usage(out))
 
 
@@ -225,22 +226,22 @@ class _ChatShape(_CompletionShape):
 
     def head(self) -> list[BaseModel]:
         delta = p.DeltaMessage(role="assistant", content="")
-        return [p.ChatCompletionChunk(id=self.id, model=self.model,
+        return [p.ChatCompletionChunk(id=self.id, model=self.model, system_fingerprint=self.fingerprint,
                                       choices=[p.ChatChunkChoice(delta=delta)])]
 
     def chunk(self, text: str, finish: str | None, stop_reason: Any) -> BaseModel:
         choice = p.ChatChunkChoice(delta=p.DeltaMessage(content=text), finish_reason=finish,
                                    stop_reason=stop_reason)
-        return p.ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
+        return p.ChatCompletionChunk(id=self.id, model=self.model, system_fingerprint=self.fingerprint, choices=[choice])
 
     def usage_chunk(self, out: RequestOutput) -> BaseModel:
-        return p.ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=_usage(out))
+        return p.ChatCompletionChunk(id=self.id, model=self.model, system_fingerprint=self.fingerprint, choices=[], usage=_usage(out))
 
     def full(self, out: RequestOutput) -> BaseModel:
         c = out.outputs[0]
         choice = p.ChatChoice(message=p.ChatResponseMessage(content=c.text),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        return p.ChatCompletionResponse(id=self.id, model=self.model, choices=[choice],
+        return p.ChatCompletionResponse(id=self.id, model=self.model, system_fingerprint=self.fingerprint, choices=[choice],
                                         usage=_usage(out))
 
 
@@ -256,7 +257,9 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     max_model_len = max_model_len or async_engine.max_model_len
-    metrics = ServerMetrics(served_model_name, async_engine.stats)
+    synthetic = bool(getattr(async_engine.engine, "synthetic_acceptance", False))
+    fingerprint = "dflash-engine-synthetic-acceptance" if synthetic else "dflash-engine"
+    metrics = ServerMetrics(served_model_name, async_engine.stats, synthetic=synthetic)
     async_engine.metrics = metrics
     accepted_names = {served_model_name, model_root or served_model_name}
 
@@ -387,7 +390,7 @@ def build_app(
         max_tokens = _default_max_tokens(req.max_tokens, len(prompt_ids), max_model_len)
         params = _sampling_params(req, max_tokens, vocab_size)
         return await serve(request, rid, client_id, prompt_ids, prompt, params, req,
-                           _CompletionShape(response_id, served_model_name))
+                           _CompletionShape(response_id, served_model_name, fingerprint))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -400,7 +403,7 @@ def build_app(
         max_tokens = _default_max_tokens(req.requested_max_tokens, len(prompt_ids), max_model_len)
         params = _sampling_params(req, max_tokens, vocab_size)
         return await serve(request, rid, client_id, prompt_ids, None, params, req,
-                           _ChatShape(response_id, served_model_name))
+                           _ChatShape(response_id, served_model_name, fingerprint))
 
     @v1.get("/models")
     async def models() -> dict:

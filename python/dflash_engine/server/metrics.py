@@ -45,9 +45,10 @@ _GAUGES = [
 
 
 class _EngineStatsCollector:
-    def __init__(self, model_name: str, stats: Callable[[], Any]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Any], acceptance: str) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.acceptance = acceptance
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -57,21 +58,25 @@ class _EngineStatsCollector:
             g.add_metric([self.model_name], float(getattr(s, attr)))
             yield g
         for name, attr, doc in _COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model_name], float(getattr(s, attr)))
+            # Speculative counters say how acceptance was decided: "target" (the real thing)
+            # or "synthetic" (benchmark-only, a seeded RNG).
+            spec = name.startswith("vllm:spec_decode")
+            c = CounterMetricFamily(name, doc, labels=labels + ["acceptance"] if spec else labels)
+            c.add_metric([self.model_name, self.acceptance] if spec else [self.model_name],
+                         float(getattr(s, attr)))
             yield c
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",
-            labels=["model_name", "position"],
+            labels=["model_name", "position", "acceptance"],
         )
         for pos, n in enumerate(s.spec_accepted_per_pos):
-            per_pos.add_metric([self.model_name, str(pos)], float(n))
+            per_pos.add_metric([self.model_name, str(pos), self.acceptance], float(n))
         yield per_pos
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], Any]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Any], synthetic: bool = False) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -88,7 +93,8 @@ class ServerMetrics:
                          "Histogram of time per output token in seconds.", _ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds",
                         "Histogram of end to end request latency in seconds.", _E2E_BUCKETS)
-        self.registry.register(_EngineStatsCollector(model_name, stats))
+        self.registry.register(
+            _EngineStatsCollector(model_name, stats, "synthetic" if synthetic else "target"))
 
     def observe_output(self, stream: Any, out: Any, now: float) -> None:
         """One engine output of a request (engine thread); updates the stream's timing."""
