@@ -9,6 +9,12 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The losslessness tests compare batched / spec-on runs with alone / spec-off runs bit for
+# bit, so the suite runs the CPU GEMMs in the exact (batch-invariant) mode; the engine's
+# default is the fast one (tests/test_batch_invariant.py checks both). Set here, before any
+# model is built, so subprocesses (the CLI tests) inherit it too.
+os.environ["DFLASH_BATCH_INVARIANT"] = "1"
+
 import pytest  # noqa: E402
 
 from server_fixtures import fresh_server, models_root, spec_off_server, spec_on_server  # noqa: F401  (fixtures)

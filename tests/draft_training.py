@@ -11,9 +11,10 @@ CPU test budget:
 - row k (k >= 1) predicts x_{a+k} through the frozen target lm_head, loss weight
   exp(-(k-1)/gamma); the draft starts from a random initialisation.
 
-The training forward is written densely here from the draft module's own parameters (the
-module's paged forward is the inference path); the result is saved in the published
-DFlashDraftModel layout (tiny_models.make_tiny_dflash_draft) and loads with `load_draft`.
+The trainer is the product's (dflash_engine.train_draft: dense training forward from the
+draft module's own parameters, taps from a dense forward of the engine's target, export in
+the published DFlashDraftModel layout that `load_draft` reads); this module only supplies the
+test data (random byte prompts continued greedily by the target) and the test recipe.
 
 Which target: `make_learnable_target` writes a tiny Qwen3 whose greedy continuations a
 one-layer draft can learn in seconds. A large rms_norm_eps with small weights keeps the
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -43,18 +43,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import dflash_engine.train_draft as product
 import torch
-import torch.nn.functional as F
 from attention_meta import meta_for_batch
-from dflash_engine.models.config import DraftConfig, ModelConfig
-from dflash_engine.models.dflash import DFlashDraftModel
-from dflash_engine.models.packed import to_checkpoint_state_dict
-from dflash_engine.ops.rotary import rotate_half
+from dflash_engine.train_draft import Sample, TrainConfig, dense_block_forward, loss_gamma  # noqa: F401 (re-exported)
 from tiny_models import (
     ENDOFTEXT_ID,
     SPECIAL_TOKENS,
-    make_tiny_dflash_draft,
     make_tiny_qwen3,
+    make_tiny_tokenizer,
 )
 from torch import Tensor
 
@@ -62,15 +59,10 @@ FIRST_RESERVED_ID = ENDOFTEXT_ID + len(SPECIAL_TOKENS)  # ids >= this are reserv
 # make_tiny_qwen3 arguments of a target whose greedy continuations are learnable (see above).
 LEARNABLE_TARGET: dict[str, Any] = {"initializer_range": 0.05, "rms_norm_eps": 1.0, "seed": 1}
 TRAIN_PROMPT_SEED = 0  # prompts of training seed s are random_prompts(..., seed=s); hold out others
-_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFLASH.md loss decay per block size
 
 
 def make_learnable_target(path: str | Path, **overrides: Any) -> Path:
     return make_tiny_qwen3(path, **{**LEARNABLE_TARGET, **overrides})
-
-
-def loss_gamma(block_size: int) -> float:
-    return _GAMMA.get(block_size, max(1.0, block_size / 2))
 
 
 # --------------------------------------------------------------------------- data
@@ -128,75 +120,10 @@ def generate_training_data(
 
 def pick_mask_token(tokens: Tensor, vocab_size: int) -> int:
     """The reserved id (never produced by the tokenizer) that the target's continuations use
-    least (ideally never); ties go to the highest id."""
+    least (ideally never); ties go to the highest id (the product's rule over these ids)."""
     if vocab_size <= FIRST_RESERVED_ID:
         raise ValueError(f"vocab_size {vocab_size} has no reserved ids to use as the mask token")
-    counts = torch.bincount(tokens.flatten(), minlength=vocab_size)[FIRST_RESERVED_ID:vocab_size]
-    best = min(range(len(counts)), key=lambda i: (int(counts[i]), -i))
-    return FIRST_RESERVED_ID + best
-
-
-# --------------------------------------------------------------------------- training forward
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [N, T, heads, hd]; cos/sin [T, hd] (neox rotate-half, as ops.rotary.apply_rotary)."""
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return x * cos + rotate_half(x) * sin
-
-
-def dense_block_forward(
-    draft: DFlashDraftModel, taps: Tensor, block_embeds: Tensor, anchors: Tensor
-) -> Tensor:
-    """Dense training forward of DFlash blocks from the draft module's parameters.
-
-    taps [N, S, n_taps*H]: target taps of every sequence at positions 0..S-1;
-    block_embeds [N, A, B, H]: block input embeddings for the A anchors of each sequence;
-    anchors [A] int64 (the same for every sequence): block row k sits at position a+k.
-    The block of anchor a sees the context at positions < a and its own B rows (non-causal).
-    Returns the final-normed hidden of the block rows [N, A, B, H]."""
-    cfg = draft.config
-    n, s, _ = taps.shape
-    _, a_num, b, h = block_embeds.shape
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    rows = a_num * b
-
-    ctx = draft.hidden_norm(F.linear(taps, draft.fc.weight))  # [N, S, H]
-    ctx_cos, ctx_sin = draft.rotary(torch.arange(s), ctx.dtype)  # absolute positions, draft RoPE
-    blk_cos, blk_sin = draft.rotary((anchors[:, None] + torch.arange(b)[None, :]).flatten(), ctx.dtype)
-    # Keys are [context 0..S-1, every block row of every anchor]; block row (a, k) sees the
-    # context strictly before a and the B rows of its own block.
-    row_anchor = anchors.repeat_interleave(b)
-    row_block = torch.arange(a_num).repeat_interleave(b)
-    visible = torch.cat([
-        torch.arange(s)[None, :] < row_anchor[:, None],  # [A*B, S]
-        row_block[None, :] == row_block[:, None],  # [A*B, A*B]
-    ], dim=1)
-
-    def heads(t: Tensor) -> Tensor:  # [N, T, nkv*hd] -> [N, nh, T, hd] (GQA expanded)
-        t = t.view(n, -1, nkv, hd).transpose(1, 2)
-        return t.repeat_interleave(nh // nkv, dim=1)
-
-    x = block_embeds.reshape(n, rows, h)
-    for layer in draft.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        # the packed parameters' Hugging Face shards (row views: gradients reach the packed ones)
-        wq, wk, wv = attn.qkv_proj.weight.split([nh * hd, nkv * hd, nkv * hd])
-        w_gate, w_up = mlp.gate_up_proj.weight.chunk(2)
-        # context K/V straight from ctx: no input_layernorm
-        kc = _rope(attn.k_norm(F.linear(ctx, wk).view(n, s, nkv, hd)), ctx_cos, ctx_sin)
-        vc = F.linear(ctx, wv)
-        hn = layer.input_layernorm(x)
-        q = _rope(attn.q_norm(F.linear(hn, wq).view(n, rows, nh, hd)), blk_cos, blk_sin)
-        kb = _rope(attn.k_norm(F.linear(hn, wk).view(n, rows, nkv, hd)), blk_cos, blk_sin)
-        vb = F.linear(hn, wv)
-        k = heads(torch.cat([kc.flatten(2), kb.flatten(2)], dim=1))
-        v = heads(torch.cat([vc, vb], dim=1))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible, scale=hd**-0.5)
-        x = x + F.linear(o.transpose(1, 2).reshape(n, rows, nh * hd), attn.o_proj.weight)
-        hn = layer.post_attention_layernorm(x)
-        x = x + F.linear(F.silu(F.linear(hn, w_gate)) * F.linear(hn, w_up), mlp.down_proj.weight)
-    return draft.norm(x).view(n, a_num, b, h)
+    return product.pick_mask_token(range(FIRST_RESERVED_ID, vocab_size), tokens.tolist(), vocab_size)[0]
 
 
 # --------------------------------------------------------------------------- train + save
@@ -242,8 +169,8 @@ class _torch_state:
 
 def _cache_key(target_dir: Path, params: dict[str, Any]) -> str:
     h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
-    for f in [Path(__file__), Path(__file__).with_name("tiny_models.py"), target_dir / "config.json",
-              *sorted(target_dir.glob("*.safetensors"))]:
+    for f in [Path(__file__), Path(__file__).with_name("tiny_models.py"), Path(product.__file__),
+              target_dir / "config.json", *sorted(target_dir.glob("*.safetensors"))]:
         h.update(f.read_bytes())  # the recipe's source and the target's weights
     return h.hexdigest()[:24]
 
@@ -272,9 +199,10 @@ def train_tiny_draft(
 
     Data: `num_prompts` random byte prompts of `prompt_len` (random_prompts(seed=seed)),
     continued greedily by the target for `new_tokens`. Each step: `seqs_per_step` sequences x
-    `anchors_per_step` random anchors on response tokens, Adam at `lr` (20-step warm-up,
-    cosine decay). Taps default to default_train_layer_ids; mask_token_id is the reserved
-    id least used by the continuations. Deterministic for given arguments and target.
+    `anchors_per_step` random anchors per sequence on response tokens, Adam at `lr` (20-step
+    warm-up, cosine decay, no clipping), through the product trainer (train_draft.train).
+    Taps default to default_train_layer_ids; mask_token_id is the reserved id least used by
+    the continuations. Deterministic for given arguments and target.
 
     With `cache_dir`, a draft trained earlier with the same target weights, arguments and
     recipe source is copied from there; a freshly trained one is stored there."""
@@ -302,9 +230,9 @@ def train_tiny_draft(
 
     t0 = time.perf_counter()
     with _torch_state(seed, num_threads):
-        state_dict, cfg_dict = _train(target_dir, target_cfg, layer_ids, rep, **params)
+        _train(target_dir, target_cfg, layer_ids, rep, out_dir, **params)
     rep.seconds = time.perf_counter() - t0
-    _save(out_dir, target_cfg, cfg_dict, state_dict, rep)
+    (out_dir / "train_report.json").write_text(json.dumps(asdict(rep), indent=2))
 
     if cached is not None and cached.resolve() != out_dir.resolve():
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -317,81 +245,29 @@ def train_tiny_draft(
     return out_dir
 
 
-def _train(target_dir: Path, target_cfg: dict[str, Any], layer_ids: list[int], rep: TrainReport, *,
-           block_size: int, num_layers: int, steps: int, seed: int, target_layer_ids: list[int],
-           num_prompts: int, prompt_len: int, new_tokens: int, lr: float, seqs_per_step: int,
-           anchors_per_step: int) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def _train(target_dir: Path, target_cfg: dict[str, Any], layer_ids: list[int], rep: TrainReport,
+           out_dir: Path, *, block_size: int, num_layers: int, steps: int, seed: int,
+           target_layer_ids: list[int], num_prompts: int, prompt_len: int, new_tokens: int, lr: float,
+           seqs_per_step: int, anchors_per_step: int) -> None:
     b, vocab = block_size, target_cfg["vocab_size"]
     if new_tokens < b:
         raise ValueError(f"new_tokens ({new_tokens}) must be >= block_size ({b})")
     t0 = time.perf_counter()
-    tokens, taps, embed, lm_head = generate_training_data(
+    tokens, _, _, _ = generate_training_data(
         target_dir, random_prompts(num_prompts, prompt_len, seed), new_tokens, layer_ids)
     rep.data_seconds = time.perf_counter() - t0
     mask_id = pick_mask_token(tokens, vocab)
-
-    cfg_dict = _draft_config(target_cfg, block_size=b, num_layers=num_layers,
-                             mask_token_id=mask_id, target_layer_ids=layer_ids)
-    draft = DFlashDraftModel(DraftConfig.from_dict(cfg_dict)).float()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # random init: unit norms, N(0, 1/fan_in) matrices
-        for name, p in draft.named_parameters():
-            p.copy_(torch.ones(p.shape) if "norm" in name
-                    else torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-    draft.train()
-
-    lm_w = embed if lm_head is None else lm_head  # frozen target embedding / lm_head
-    n, s = tokens.shape
-    all_anchors = torch.arange(prompt_len, s - b + 1)  # response tokens, a <= len - B
-    weights = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / loss_gamma(b))  # k = 1..B-1
-    weights = weights / weights.sum()
-    opt = torch.optim.Adam(draft.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / max(steps, 1))))
-    n_rows, n_anchors = min(seqs_per_step, n), min(anchors_per_step, len(all_anchors))
-    for step in range(steps):
-        rows = torch.randperm(n, generator=gen)[:n_rows]
-        anchors = all_anchors[torch.randperm(len(all_anchors), generator=gen)[:n_anchors]]
-        block_ids = tokens[rows][:, anchors[:, None] + torch.arange(b)[None, :]]  # [n_rows, A, B]
-        labels = block_ids[:, :, 1:].clone()  # row k predicts x_{a+k} (same position)
-        block_ids[:, :, 1:] = mask_id
-        hidden = dense_block_forward(draft, taps[rows], F.embedding(block_ids, embed), anchors)
-        ce = F.cross_entropy(F.linear(hidden[:, :, 1:], lm_w).reshape(-1, vocab), labels.reshape(-1),
-                             reduction="none")
-        loss = (ce.view(n_rows, n_anchors, b - 1) * weights).sum(-1).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step == 0:
-            rep.first_loss = float(loss.detach())
-    rep.final_loss = float(loss.detach()) if steps else float("nan")
-    rep.steps = steps
-    rep.mask_token_id, rep.mask_token_count = mask_id, int((tokens == mask_id).sum())
-    rep.target_layer_ids, rep.num_sequences, rep.seq_len = list(layer_ids), n, s
-    # saved under the Hugging Face names (q_proj, k_proj, ... split out of the packed parameters)
-    state_dict = to_checkpoint_state_dict(draft.state_dict(), draft.config)
-    return {k: v.detach().clone().contiguous() for k, v in state_dict.items()}, cfg_dict
-
-
-def _draft_config(target_cfg: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    """The published config.json, as tiny_models.make_tiny_dflash_draft writes it."""
-    with tempfile.TemporaryDirectory() as tmp:
-        # the target's RoPE base (transformers v5 writes it inside rope_parameters)
-        theta = ModelConfig.from_dict(target_cfg).rope_theta
-        make_tiny_dflash_draft(tmp, target_cfg, rope_theta=theta, **kw)
-        return json.loads((Path(tmp) / "config.json").read_text())
-
-
-def _save(out_dir: Path, target_cfg, cfg_dict, state_dict, rep: TrainReport) -> None:
-    dflash = cfg_dict["dflash_config"]
-    make_tiny_dflash_draft(
-        out_dir, target_cfg, num_layers=cfg_dict["num_hidden_layers"], block_size=cfg_dict["block_size"],
-        mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"],
-        state_dict=state_dict, rope_theta=cfg_dict["rope_theta"],
-    )
-    assert json.loads((out_dir / "config.json").read_text()) == cfg_dict
-    (out_dir / "train_report.json").write_text(json.dumps(asdict(rep), indent=2))
+    samples = [Sample(t[:prompt_len], t[prompt_len:], "random") for t in tokens.tolist()]
+    cfg = TrainConfig(num_layers=num_layers, block_size=b, steps=steps, batch_size=seqs_per_step,
+                      anchors_per_seq=anchors_per_step, lr=lr, warmup_steps=20, weight_decay=0.0,
+                      grad_clip=None, seed=seed, target_layer_ids=list(layer_ids), eval_every=0,
+                      save_every=0, save_dtype="float32")
+    res = product.train(target_dir, out_dir, samples, cfg, mask_token=(mask_id, int((tokens == mask_id).sum())),
+                        device="cpu", progress=False, save_checkpoints=False, log=lambda *_: None)
+    make_tiny_tokenizer(out_dir, vocab)
+    rep.first_loss, rep.final_loss, rep.steps = res.first_loss, res.final_loss, res.steps
+    rep.mask_token_id, rep.mask_token_count = res.mask_token_id, res.mask_token_count
+    rep.target_layer_ids, rep.num_sequences, rep.seq_len = list(layer_ids), tokens.shape[0], tokens.shape[1]
 
 
 # --------------------------------------------------------------------------- acceptance

@@ -1,4 +1,4 @@
-"""`dflash-engine {serve,generate,chat,convert,make-random-checkpoint,bench serve}`."""
+"""`dflash-engine {serve,generate,chat,convert,make-random-checkpoint,train-draft,bench serve}`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(
         model=args.model, speculative_config=args.speculative_config, device=args.device or "auto",
         dtype=args.dtype or "auto", max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:
@@ -30,7 +31,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .server.cli_args import _json_object, add_bench_args, add_serve_args
+    from .server.cli_args import _json_object, add_batch_invariant_arg, add_bench_args, add_serve_args
 
     ap = argparse.ArgumentParser(prog="dflash-engine", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -48,10 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None)
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+    add_batch_invariant_arg(g)
 
     sub.add_parser("convert", help="convert a llama GGUF into a Hugging Face directory", add_help=False)
     sub.add_parser("make-random-checkpoint", add_help=False,
                    help="write a random-weight Qwen3 target (and DFlash draft) in the Hugging Face format")
+    sub.add_parser("train-draft", add_help=False,
+                   help="train a DFlash draft for a target (data written by the target itself)")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_args(bsub.add_parser("serve", help="load generator against an OpenAI-compatible server"))
@@ -64,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         from .gguf_convert import main as convert_main
 
         return convert_main(argv[1:])
+    if argv and argv[0] == "train-draft":  # dispatched early: its own flags, no server packages
+        from .train_draft import main as train_draft_main
+
+        return train_draft_main(argv[1:])
     if argv and argv[0] == "make-random-checkpoint":  # dispatched early: needs no server packages
         from .random_checkpoint import main as random_checkpoint_main
 

@@ -104,9 +104,16 @@ class EngineConfig:
     served_model_name: str | None = None
     # Share the KV (target and draft) of cached prompt prefixes, as vLLM's --enable-prefix-caching.
     enable_prefix_caching: bool = True
+    # CPU GEMMs in the exact mode: a row's bits never depend on its batch, so spec-on equals
+    # spec-off exactly (slower at one request). None: $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT.
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.batch_invariant is None:
+            from .models.layers import batch_invariant_from_env
+
+            self.batch_invariant = batch_invariant_from_env()
         for name in ("max_num_seqs", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

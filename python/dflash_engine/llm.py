@@ -31,7 +31,11 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
+        batch_invariant: bool | None = None,
     ):
+        """batch_invariant=True: exact CPU GEMMs (a row's bits never depend on its batch, so
+        spec-on output equals spec-off exactly); False: plain CPU kernels (fast); None: from
+        $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT, default False."""
         self.engine = LLMEngine(
             EngineConfig(
                 model=model, speculative_config=speculative_config, max_num_seqs=max_num_seqs,
@@ -39,7 +43,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, seed=seed,
                 block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
-                enforce_eager=enforce_eager,
+                enforce_eager=enforce_eager, batch_invariant=batch_invariant,
             )
         )
         self._ids = itertools.count()

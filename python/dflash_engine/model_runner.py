@@ -44,7 +44,7 @@ def resolve_device(device: str) -> torch.device:
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_path: Path, max_model_len: int):
         self.device = resolve_device(cfg.device)
-        self.target = load_target(model_path, cfg.dtype, self.device)
+        self.target = load_target(model_path, cfg.dtype, self.device, batch_invariant=cfg.batch_invariant)
         self.model_config = self.target.config
         self.dtype = self.target.model.embed_tokens.weight.dtype
         self.draft = None
@@ -53,7 +53,8 @@ class ModelRunner:
         self.mask_token_id = 0
         spec = cfg.speculative_config
         if spec is not None:
-            self.draft = load_draft(spec.model, self.model_config, cfg.dtype, self.device)
+            self.draft = load_draft(spec.model, self.model_config, cfg.dtype, self.device,
+                                    batch_invariant=cfg.batch_invariant)
             dcfg = self.draft.config
             n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else dcfg.block_size - 1
             if n >= dcfg.block_size:

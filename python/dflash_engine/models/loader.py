@@ -15,6 +15,7 @@ from torch import nn
 
 from .config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
 from .dflash import DFlashDraftModel
+from .layers import batch_invariant_from_env, set_batch_invariant
 from .llama import LlamaForCausalLM
 from .packed import checkpoint_shards
 from .qwen3 import Qwen3ForCausalLM
@@ -86,23 +87,32 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
 
 
-def _build(cls, cfg, path, dtype: torch.dtype, device) -> nn.Module:
+def _build(cls, cfg, path, dtype: torch.dtype, device, batch_invariant: bool | None) -> nn.Module:
     # Build without initialisation (meta device), then materialise and fill from the checkpoint.
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to(dtype).to_empty(device=device)
     load_weights(model, safetensors_files(path))
+    set_batch_invariant(model, batch_invariant_from_env() if batch_invariant is None else batch_invariant)
     return model.eval().requires_grad_(False)
 
 
-def load_target(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu") -> nn.Module:
+def load_target(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu",
+                batch_invariant: bool | None = None) -> nn.Module:
+    """batch_invariant: CPU GEMMs in the exact mode (a row's bits never depend on its batch);
+    None: from $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT (default off: plain F.linear)."""
     cfg = ModelConfig.from_dict(read_config(path))
-    return _build(TARGET_CLASSES[cfg.architecture], cfg, path, resolve_dtype(dtype, cfg.torch_dtype), device)
+    return _build(TARGET_CLASSES[cfg.architecture], cfg, path, resolve_dtype(dtype, cfg.torch_dtype), device,
+                  batch_invariant)
 
 
 def load_draft(
-    path: str | Path, target_config: ModelConfig, dtype: str | torch.dtype = "auto", device="cpu"
+    path: str | Path, target_config: ModelConfig, dtype: str | torch.dtype = "auto", device="cpu",
+    batch_invariant: bool | None = None,
 ) -> DFlashDraftModel:
+    """dtype "auto": the target's checkpoint dtype (the draft reads the target's embeddings and
+    hidden states, so it computes in the target's dtype; a bf16 draft serves a float32 target)."""
     cfg = DraftConfig.from_dict(read_config(path))
     validate_draft_against_target(cfg, target_config)
-    return _build(DFlashDraftModel, cfg, path, resolve_dtype(dtype, cfg.torch_dtype), device)
+    return _build(DFlashDraftModel, cfg, path, resolve_dtype(dtype, target_config.torch_dtype), device,
+                  batch_invariant)

@@ -73,3 +73,63 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
     return out
+
+
+# --------------------------------------------------------------------------- fast CPU path
+
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)  # enable_gqa
+
+
+def _sdpa_plan(meta: AttentionMetadata, page_size: int, device) -> list[tuple[int, int, Tensor, Tensor | None]]:
+    """Per request with query rows: (first row, end row, slots of positions [0, seq_len),
+    causal mask [q_len, seq_len] or None). Built once per step (cached on `meta`) and shared
+    by every layer."""
+    cached = meta.__dict__.get("_sdpa_plan")
+    if cached is not None and cached[0] == page_size:
+        return cached[1]
+    qsl, seq_lens = meta.host_lists()
+    offsets = torch.arange(page_size, device=device)
+    plan = []
+    for r, seq_len in enumerate(seq_lens):
+        start, end = qsl[r], qsl[r + 1]
+        if end == start:
+            continue
+        pages = meta.page_tables[r, : -(-seq_len // page_size)].long()
+        slots = (pages[:, None] * page_size + offsets).flatten()[:seq_len]
+        mask = None
+        q_len = end - start
+        if meta.causal and q_len > 1:  # a query row sees keys up to its own position
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        plan.append((start, end, slots, mask))
+    meta.__dict__["_sdpa_plan"] = (page_size, plan)
+    return plan
+
+
+def paged_attention_sdpa(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
+    """The same attention as `paged_attention`, for the fast CPU mode: torch's fused
+    scaled_dot_product_attention per request (GQA without repeating K/V), the gather
+    indices and masks built once per step. Not bit-identical to the reference loop (nor
+    batch-invariant by contract): the exact mode uses `paged_attention`."""
+    n_kv, head_dim = k_cache.shape[-2:]
+    kf, vf = k_cache.view(-1, n_kv, head_dim), v_cache.view(-1, n_kv, head_dim)
+    plan = _sdpa_plan(meta, k_cache.shape[1], q.device)
+    out = torch.empty_like(q) if len(plan) != 1 or plan[0][1] - plan[0][0] != q.shape[0] else None
+    for start, end, slots, mask in plan:
+        k = kf.index_select(0, slots).transpose(0, 1)  # [n_kv, S, D]
+        v = vf.index_select(0, slots).transpose(0, 1)
+        if _SDPA_GQA:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            groups = q.shape[1] // n_kv
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0),
+                attn_mask=mask, scale=scale)
+        o = o.transpose(0, 1)  # [Q, n_heads, D]
+        if out is None:
+            return o
+        out[start:end] = o
+    return out if out is not None else torch.empty_like(q)

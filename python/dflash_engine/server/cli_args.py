@@ -38,6 +38,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_batch_invariant_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                        help="exact CPU GEMMs: a row's bits never depend on its batch, so spec-on "
+                             "output equals spec-off exactly (slower at one request); default: "
+                             "$VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT, else off")
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF-style model directory or .gguf file (default: the bundled "
@@ -70,6 +77,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="GPU: run decode steps without CUDA graphs (same tokens, slower)")
+    add_batch_invariant_arg(parser)
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
                         help="larger request bodies get a 413 (default: 4 MiB)")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -79,7 +87,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                  "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
-                 "enforce_eager")
+                 "enforce_eager", "batch_invariant")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,148 @@
+"""`dflash-engine train-draft` end to end on a tiny target (CPU, seconds): data written by the
+target itself + stdlib code prompts, cached; the exported draft loads and drafts in the
+engine (spec-on greedy == spec-off, exact mode); --resume continues a checkpoint exactly.
+
+The training recipe itself (loss falls, acceptance, RoPE/context negative controls) is
+checked on the `trained` fixture in test_draft_training.py, which runs the same trainer."""
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.cli import main as cli_main
+from dflash_engine.tokenizer import Tokenizer
+from dflash_engine.train_draft import (
+    loss_gamma,
+    mask_token_candidates,
+    stdlib_code_prompts,
+    stdlib_functions,
+    user_turn_prefix,
+)
+from safetensors import safe_open
+from tiny_models import IM_END_ID, draft_tensor_shapes
+
+BLOCK = 4
+
+
+def _args(target: Path, out: Path, *extra: str) -> list[str]:
+    return ["train-draft", "--target", str(target), "--out", str(out), "--layers", "1",
+            "--block-size", str(BLOCK), "--samples", "24", "--max-len", "160", "--response-tokens", "40",
+            "--batch-size", "8", "--anchors", "8", "--lr", "1e-2", "--eval-every", "10", "--save-every", "10",
+            "--save-dtype", "float32", "--device", "cpu", "--gen-batch", "16", "--no-progress", *extra]
+
+
+class _one_thread:
+    """Bitwise-reproducible CPU training (the trainer's determinism is per thread count)."""
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, qwen3_dir):
+    root = tmp_path_factory.mktemp("train_draft")
+    out = root / "draft"
+    with _one_thread():
+        assert cli_main(_args(qwen3_dir, out, "--steps", "30")) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    return SimpleNamespace(root=root, out=out, report=report, target=qwen3_dir,
+                           config=json.loads((out / "config.json").read_text()))
+
+
+def test_stdlib_code_prompts_are_deterministic_and_from_the_stdlib():
+    a, b = stdlib_code_prompts(12, seed=3), stdlib_code_prompts(12, seed=3)
+    assert a == b and len(set(a)) == 12
+    assert stdlib_code_prompts(12, seed=4) != a
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for f in stdlib_functions(limit=20, seed=0)[:20]:
+        path = stdlib / (f["module"].replace(".", "/") + ".py")
+        if not path.is_file():
+            path = stdlib / f["module"].replace(".", "/") / "__init__.py"
+        assert f"def {f['name']}(" in path.read_text(encoding="utf-8")
+        assert f["signature"].startswith(f"def {f['name']}(") and len(f["doc"]) >= 20
+    assert not any("HumanEval" in p for p in a)
+
+
+def test_mask_token_candidates_are_unused_specials(qwen3_dir):
+    tok = Tokenizer.from_dir(qwen3_dir)
+    cands = mask_token_candidates(tok)
+    assert IM_END_ID not in cands and 256 not in cands and 257 not in cands  # eos/pad and template tokens
+    assert cands == list(range(259, 300))  # the tiny tokenizer's reserved tokens
+    prefix, stops = user_turn_prefix(tok)
+    assert prefix == "<|im_start|>user\n" and stops == [IM_END_ID]
+
+
+def test_loss_gamma():
+    assert (loss_gamma(16), loss_gamma(10), loss_gamma(8), loss_gamma(4)) == (7.0, 5.0, 4.0, 2.0)
+
+
+def test_train_draft_writes_the_published_format(run):
+    cfg, res = run.config, run.report["result"]
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == BLOCK
+    assert cfg["num_hidden_layers"] == 1 and cfg["num_target_layers"] == 4
+    assert cfg["dflash_config"]["target_layer_ids"] == [2]  # DFLASH.md's default for one draft layer
+    mask = cfg["dflash_config"]["mask_token_id"]
+    assert mask == res["mask_token_id"] == 299 and res["mask_token_count"] == 0  # the highest unused special
+    with safe_open(str(run.out / "model.safetensors"), framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert shapes == draft_tensor_shapes(cfg, n_taps=1)  # HF names, q/k/v + gate/up split, no `model.`
+    assert (run.out / "README.md").is_file() and (run.out / "checkpoint.pt").is_file()
+
+
+def test_train_draft_data_is_self_written_and_stdlib_and_cached(run):
+    data = run.report["data"]
+    assert data["cached"] is False
+    lines = Path(data["path"]).read_text().splitlines()
+    samples = [json.loads(x) for x in lines]
+    assert {s["source"] for s in samples} == {"self", "stdlib"}
+    assert all(len(s["response_ids"]) > BLOCK for s in samples)
+    res = run.report["result"]
+    assert res["num_train"] + res["num_held_out"] == len(samples) and res["num_held_out"] >= 4
+
+
+def test_train_draft_loss_goes_down(run):
+    res = run.report["result"]
+    assert res["steps"] == 30 and res["final_loss"] < res["first_loss"] - 0.5, res
+    assert len(res["held_out_history"]) >= 2  # the held-out τ estimate ran during training
+
+
+def test_trained_draft_loads_and_drafts_losslessly(run):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 256 for j in range(4 + 3 * i)]} for i in range(4)]
+    spec = {"method": "dflash", "model": str(run.out)}
+    on = LLM(model=str(run.target), device="cpu", speculative_config=spec, batch_invariant=True)
+    off = LLM(model=str(run.target), device="cpu", batch_invariant=True)
+    a = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    assert a == b
+    st = on.stats()
+    assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens == st.spec_num_drafts * (BLOCK - 1)
+
+
+def test_resume_continues_exactly(run):
+    """stop at step 20 of 40, --resume to 40 == 40 steps in one go (same data, from the cache)."""
+    data_dir = str(run.out / "data")
+    a, b = run.root / "resumed", run.root / "straight"
+    with _one_thread():
+        assert cli_main(_args(run.target, a, "--steps", "40", "--stop-at", "20", "--data-dir", data_dir)) == 0
+        first = json.loads((a / "train_report.json").read_text())
+        assert first["result"]["steps"] == 20 and first["data"]["cached"] is True
+        assert cli_main(_args(run.target, a, "--steps", "40", "--resume", "--data-dir", data_dir)) == 0
+        assert cli_main(_args(run.target, b, "--steps", "40", "--data-dir", data_dir)) == 0
+    resumed = json.loads((a / "train_report.json").read_text())["result"]
+    assert resumed["resumed_from"] == 20 and resumed["steps"] == 40
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+def test_resume_refuses_another_configuration(run):
+    with pytest.raises(ValueError, match="another draft configuration"):
+        cli_main(_args(run.target, run.out, "--steps", "31", "--resume", "--layers", "2"))
