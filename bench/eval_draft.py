@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             on["speedup"] = round(on["tok_s"] / off["tok_s"], 3)
     print(f"\n{'set':<10}{'c':>4}{'spec':>6}{'tok/s':>10}{'tau':>7}{'speedup':>9}  same as spec-off")
     for r in rows:
+        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
         print(f"{r['set']:<10}{r['c']:>4}{'on' if r['spec'] else 'off':>6}{r['tok_s']:>10.1f}"
-              f"{(r['tau'] or 0):>7.2f}{r.get('speedup', 1.0):>9.2f}  {r['same_as_spec_off']}")
+              f"{tau:>7}{r.get('speedup', 1.0):>9.2f}  {r['same_as_spec_off']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)

@@ -50,6 +50,10 @@ def test_cli_flag():
     assert "batch_invariant" not in engine_kwargs(parse([]))  # unset: the environment decides
     assert engine_kwargs(parse(["--batch-invariant"]))["batch_invariant"] is True
     assert engine_kwargs(parse(["--no-batch-invariant"]))["batch_invariant"] is False
+    from dflash_engine.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "hi", "--batch-invariant"]).batch_invariant is True
+    assert build_parser().parse_args(["generate", "hi"]).batch_invariant is None
 
 
 def test_mode_is_per_model_and_per_engine(no_env, qwen3_dir):
@@ -97,14 +101,15 @@ def test_fast_mode_gives_the_exact_modes_greedy_tokens_alone(no_env, request, mo
 @pytest.mark.parametrize("causal", [True, False])
 def test_fast_attention_matches_the_reference(causal):
     """paged_attention_sdpa (fast mode) == the reference loop, numerically: a prefill with
-    earlier context, a verify block, a decode row and an idle request, scattered pages, GQA."""
+    earlier context, a verify block, a decode row and an idle request, scattered and
+    consecutive pages, GQA."""
     from attention_meta import meta_for_batch
     from dflash_engine.ops.attention import paged_attention, paged_attention_sdpa
 
     gen = torch.Generator().manual_seed(0)
     page, n_kv, heads, d = 4, 2, 6, 16
     k_cache, v_cache = torch.randn(40, page, n_kv, d, generator=gen), torch.randn(40, page, n_kv, d, generator=gen)
-    tables = [[7, 3, 9, 1, 22], [5, 30, 2], [11, 12, 13, 14, 15, 16], [31]]
+    tables = [[7, 3, 9, 1, 22], [5, 30, 2], [11, 12, 13, 14, 15, 16], [31]]  # [2]: consecutive pages (a view)
     meta, _ = meta_for_batch([9, 4, 1, 0], [17, 10, 21, 3], tables, page, causal)
     q = torch.randn(14, heads, d, generator=gen)
     ref = paged_attention(q, k_cache, v_cache, meta, 0.25)

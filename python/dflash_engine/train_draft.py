@@ -245,6 +245,7 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
         raise ValueError(f"{target} has no tokenizer with a chat template; train-draft needs one")
     n_code = round(cfg.samples * cfg.code_fraction)
     code = stdlib_code_prompts(n_code, cfg.seed)
+    log(f"data: the target writes {cfg.samples - len(code)} user prompts (temperature {cfg.prompt_temperature})")
     own = self_written_prompts(llm, cfg.samples - len(code), cfg.seed, cfg.prompt_tokens, cfg.prompt_temperature)
     log(f"data: {len(own)} self-written prompts, {len(code)} stdlib code prompts")
     prompts = [(p, "self") for p in own] + [(p, "stdlib") for p in code]
@@ -259,6 +260,7 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
     params = [SamplingParams(temperature=cfg.response_temperature, seed=cfg.seed + i,
                              max_tokens=min(cfg.response_tokens, cfg.max_len - len(ids)))
               for i, ids in enumerate(convs)]
+    log(f"data: the target answers {len(convs)} prompts (at most {cfg.response_tokens} tokens each)")
     outs = llm.generate([{"prompt_token_ids": ids} for ids in convs], params, use_tqdm=True)
     samples = [Sample(list(o.prompt_token_ids), list(o.outputs[0].token_ids), s)
                for o, s in zip(outs, sources) if len(o.outputs[0].token_ids) > block_size]

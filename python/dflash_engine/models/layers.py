@@ -202,7 +202,8 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
         t, nh, nkv, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         v = qkv[:, attn.q_size + attn.kv_size:].view(t, nkv, d)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if cos.dim() == 2:  # [T, D] -> [T, 1, D] (run_layers does it once per pass)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if attn.q_norm is None:  # q and k rotated together
             qk = qkv[:, :attn.q_size + attn.kv_size].view(t, nh + nkv, d)
             qk = qk * cos + _rotate_half(qk) * sin
@@ -235,6 +236,8 @@ def run_layers(layers, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetad
     wanted = set(tap_layers or ())
     residual = None
     fast = len(layers) > 0 and layers[0].fast_cpu(x)  # decided once per pass, not per layer
+    if fast:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     for i, (layer, kv_layer) in enumerate(zip(layers, kv_layers)):
         if fast:  # straight to the fast path (no per-layer module-call overhead)
             x, residual = layer._forward_fast_cpu(x, residual, cos, sin, meta, kv_layer)

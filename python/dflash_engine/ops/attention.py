@@ -80,9 +80,10 @@ def paged_attention(
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)  # enable_gqa
 
 
-def _sdpa_plan(meta: AttentionMetadata, page_size: int, device) -> list[tuple[int, int, Tensor, Tensor | None]]:
-    """Per request with query rows: (first row, end row, slots of positions [0, seq_len),
-    causal mask [q_len, seq_len] or None). Built once per step (cached on `meta`) and shared
+def _sdpa_plan(meta: AttentionMetadata, page_size: int, device
+               ) -> list[tuple[int, int, Tensor | slice, Tensor | None]]:
+    """Per request with query rows: (first row, end row, slots of positions [0, seq_len) (a
+    slice when its pages are consecutive), causal mask [q_len, seq_len] or None). Built once per step (cached on `meta`) and shared
     by every layer."""
     cached = meta.__dict__.get("_sdpa_plan")
     if cached is not None and cached[0] == page_size:
@@ -95,7 +96,11 @@ def _sdpa_plan(meta: AttentionMetadata, page_size: int, device) -> list[tuple[in
         if end == start:
             continue
         pages = meta.page_tables[r, : -(-seq_len // page_size)].long()
-        slots = (pages[:, None] * page_size + offsets).flatten()[:seq_len]
+        first = int(pages[0])
+        if bool((pages == torch.arange(first, first + len(pages), device=device)).all()):
+            slots = slice(first * page_size, first * page_size + seq_len)  # consecutive pages: a view
+        else:
+            slots = (pages[:, None] * page_size + offsets).flatten()[:seq_len]
         mask = None
         q_len = end - start
         if meta.causal and q_len > 1:  # a query row sees keys up to its own position
@@ -118,8 +123,10 @@ def paged_attention_sdpa(
     plan = _sdpa_plan(meta, k_cache.shape[1], q.device)
     out = torch.empty_like(q) if len(plan) != 1 or plan[0][1] - plan[0][0] != q.shape[0] else None
     for start, end, slots, mask in plan:
-        k = kf.index_select(0, slots).transpose(0, 1)  # [n_kv, S, D]
-        v = vf.index_select(0, slots).transpose(0, 1)
+        if isinstance(slots, slice):
+            k, v = kf[slots].transpose(0, 1), vf[slots].transpose(0, 1)  # [n_kv, S, D]
+        else:
+            k, v = kf.index_select(0, slots).transpose(0, 1), vf.index_select(0, slots).transpose(0, 1)
         if _SDPA_GQA:
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
