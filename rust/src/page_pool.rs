@@ -40,7 +40,7 @@
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub type PageId = u32;
@@ -89,6 +89,25 @@ pub enum Publish {
     Conflict,
 }
 
+/// The index's keys are page hashes already mixed with the pool's random seed: hashing them
+/// again would be wasted work on the commit path (and clients cannot aim at buckets).
+#[derive(Default)]
+struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
 #[derive(Debug)]
 struct PoolState {
     refcount: Vec<u32>,
@@ -99,7 +118,7 @@ struct PoolState {
     meta: Vec<Option<CacheMeta>>,
     /// `page_size` token ids per page, valid where `meta` is set.
     tokens: Vec<u32>,
-    index: HashMap<u64, PageId>,
+    index: HashMap<u64, PageId, BuildHasherDefault<PassThrough>>,
     next_entry: EntryId,
     seed: u64,
     hash_fn: PageHashFn,
@@ -191,7 +210,7 @@ impl PagePool {
             num_free: n - 1,
             meta: vec![None; n],
             tokens: vec![0; n * page_size],
-            index: HashMap::new(),
+            index: HashMap::default(),
             next_entry: ROOT_ENTRY + 1,
             seed: RandomState::new().hash_one(0x5EED_u64),
             hash_fn: default_page_hash,
