@@ -117,3 +117,24 @@ def test_fast_attention_matches_the_reference(causal):
     one, _ = meta_for_batch([3], [10], [tables[1]], page, causal)  # a single request: no copy out
     torch.testing.assert_close(paged_attention_sdpa(q[9:12], k_cache, v_cache, one, 0.25),
                                paged_attention(q[9:12], k_cache, v_cache, one, 0.25), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_fast_linear_splits_a_column_major_weight_across_threads(rows):
+    """fast_linear on a column-major weight (the fast mode's layout): a few rows run as one
+    slab per thread; the result is F.linear's, numerically (any thread count)."""
+    from dflash_engine.models.layers import fast_linear
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1024, 96, generator=gen)
+    col_major = w.t().contiguous().t()
+    x, b = torch.randn(rows, 96, generator=gen), torch.randn(1024, generator=gen)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            for weight in (w, col_major, col_major[256:768]):  # row-major falls back; a row slice (project_kv)
+                ref = x @ weight.t() + b[: weight.shape[0]]
+                torch.testing.assert_close(fast_linear(x, weight, b[: weight.shape[0]]), ref, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(saved)

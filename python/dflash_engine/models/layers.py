@@ -53,9 +53,28 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     return out if bias is None else out + bias
 
 
+_SPLIT_MAX_ROWS = 4  # fast_linear splits the weight across threads up to this many rows
+
+
+def fast_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear for the fast CPU mode. A GEMM of a few rows (a decode step) is bound by
+    reading the weight, and BLAS runs it on one thread; with a column-major weight (what
+    set_batch_invariant(False) stores) and several threads, the output columns are split
+    into one contiguous slab per thread, run as one batched GEMM (parallel over the slabs),
+    so every core streams its share of the weight."""
+    threads = torch.get_num_threads()
+    if (threads > 1 and x.dim() == 2 and x.shape[0] <= _SPLIT_MAX_ROWS and x.device.type == "cpu"
+            and weight.stride(0) == 1 and weight.shape[0] % threads == 0 and weight.shape[0] >= 256 * threads):
+        n, k = weight.shape
+        slabs = weight.t().view(k, threads, n // threads).permute(1, 0, 2)  # [threads, K, N/threads], a view
+        out = torch.bmm(x.unsqueeze(0).expand(threads, -1, -1), slabs).permute(1, 0, 2).reshape(x.shape[0], n)
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, weight, bias)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, batch_invariant: bool) -> Tensor:
-    """The exact mode (`invariant_linear`) or plain F.linear (the fast default)."""
-    return invariant_linear(x, weight, bias) if batch_invariant else F.linear(x, weight, bias)
+    """The exact mode (`invariant_linear`) or the fast one (`fast_linear`, the default)."""
+    return invariant_linear(x, weight, bias) if batch_invariant else fast_linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -199,7 +218,7 @@ class DecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         residual = x if residual is None else x.add_(residual)  # x: the previous layer's fresh output
         h = F.rms_norm(residual, norm1.weight.shape, norm1.weight, norm1.eps)
-        qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = fast_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
         t, nh, nkv, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         v = qkv[:, attn.q_size + attn.kv_size:].view(t, nkv, d)
         if cos.dim() == 2:  # [T, D] -> [T, 1, D] (run_layers does it once per pass)
@@ -217,11 +236,11 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_layer
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention_sdpa(q, k_cache, v_cache, meta, attn.scale)
-        h = F.linear(o.reshape(t, nh * d), attn.o_proj.weight, attn.o_proj.bias)
+        h = fast_linear(o.reshape(t, nh * d), attn.o_proj.weight, attn.o_proj.bias)
         residual = h.add_(residual)
         h = F.rms_norm(residual, norm2.weight.shape, norm2.weight, norm2.eps)
-        gate, up = F.linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias), residual
+        gate, up = fast_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
+        return fast_linear(F.silu(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 def _rotate_half(x: Tensor) -> Tensor:
