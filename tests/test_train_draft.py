@@ -146,3 +146,28 @@ def test_resume_continues_exactly(run):
 def test_resume_refuses_another_configuration(run):
     with pytest.raises(ValueError, match="another draft configuration"):
         cli_main(_args(run.target, run.out, "--steps", "31", "--resume", "--layers", "2"))
+
+
+@pytest.mark.parametrize("model", ["qwen3_dir", "llama_tied_dir"])
+def test_dense_target_taps_match_the_engines_paged_forward(request, model):
+    """The trainer's taps (a dense causal forward) are the residual stream the engine's
+    target hands the draft at inference (paged forward), last layer included."""
+    from attention_meta import meta_for_batch
+    from dflash_engine.kv_cache import KVCache
+    from dflash_engine.models import load_target
+    from dflash_engine.train_draft import dense_target_taps
+
+    target = load_target(request.getfixturevalue(model), dtype="float32")
+    taps_at = [0, 2, target.config.num_hidden_layers - 1]
+    gen = torch.Generator().manual_seed(5)
+    lens = [11, 7]
+    ids = torch.zeros(2, 11, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        ids[i, :n] = torch.randint(0, 256, (n,), generator=gen)
+    dense = dense_target_taps(target, ids, taps_at)
+    kv = KVCache.allocate(target.config, None, 8, 4, torch.float32)
+    meta, pos = meta_for_batch(lens, lens, [[3, 1, 5], [7, 2]], 4, True)
+    with torch.no_grad():
+        _, paged = target(torch.cat([ids[0, :11], ids[1, :7]]), pos, meta, kv, taps_at)
+    torch.testing.assert_close(paged[:11], dense[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(paged[11:], dense[1, :7], rtol=1e-4, atol=1e-4)  # padding changes nothing before it
