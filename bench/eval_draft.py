@@ -102,12 +102,13 @@ def humaneval_prompts() -> list[str]:
 
 
 def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str, batch_invariant: bool,
-        max_model_len: int):
+        max_model_len: int, gpu_memory_utilization: float):
     from dflash_engine import LLM, SamplingParams
 
     spec = {"method": "dflash", "model": draft} if draft else None
     llm = LLM(model=target, speculative_config=spec, max_num_seqs=c, device=device,
-              batch_invariant=batch_invariant, max_model_len=max_model_len)
+              batch_invariant=batch_invariant, max_model_len=max_model_len,
+              gpu_memory_utilization=gpu_memory_utilization)
     convs = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-invariant", action="store_true",
                     help="CPU: exact GEMMs (spec-on output must then equal spec-off exactly)")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     sets = {"humaneval": humaneval_prompts, "chat": lambda: list(CHAT_PROMPTS)}
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = sets[name]()[: args.limit]
         for c in [int(x) for x in args.concurrency.split(",")]:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,
-                      max_model_len=args.max_model_len)
+                      max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
             off, off_tokens = run(args.target, None, prompts, c, **kw)
             on, on_tokens = run(args.target, args.draft, prompts, c, **kw)
             same = sum(a == b for a, b in zip(on_tokens, off_tokens))

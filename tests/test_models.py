@@ -428,3 +428,14 @@ def test_kv_cache_sizing(qwen3_dir):
     assert kv.target[0][0].shape == (10, 16, 2, 16) and kv.draft[1][1].shape == (10, 16, 4, 8)
     total = sum(t.numel() * t.element_size() for pair in kv.target + kv.draft for t in pair)
     assert total == 10 * per_page
+
+
+def test_auto_dtype_runs_a_float32_checkpoint_in_bfloat16_on_the_gpu_only():
+    import torch
+    from dflash_engine.models.config import resolve_dtype
+
+    assert resolve_dtype("auto", "float32", "cpu") == torch.float32
+    assert resolve_dtype("auto", "float32", "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "float16", "cuda") == torch.float16
+    assert resolve_dtype("auto", "bfloat16", None) == torch.bfloat16
+    assert resolve_dtype("float32", "float32", "cuda") == torch.float32  # an explicit dtype wins

@@ -171,3 +171,30 @@ def test_dense_target_taps_match_the_engines_paged_forward(request, model):
         _, paged = target(torch.cat([ids[0, :11], ids[1, :7]]), pos, meta, kv, taps_at)
     torch.testing.assert_close(paged[:11], dense[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(paged[11:], dense[1, :7], rtol=1e-4, atol=1e-4)  # padding changes nothing before it
+
+
+def test_data_only_stops_after_the_cached_data(run, capsys):
+    out = run.root / "data_only"
+    assert cli_main(_args(run.target, out, "--steps", "30", "--data-only", "--data-dir", str(run.out / "data"))) == 0
+    assert "data ready" in capsys.readouterr().out
+    assert not (out / "model.safetensors").exists() and not (out / "train_report.json").exists()
+
+
+def test_time_budget_fits_the_steps_and_the_schedule_to_the_clock(run):
+    """A budget far below what --steps needs: the run calibrates, fits its total steps (the
+    cosine then ends at the fitted step) and exports."""
+    import time
+
+    from dflash_engine.train_draft import Sample, TrainConfig, train
+
+    lines = Path(run.report["data"]["path"]).read_text().splitlines()
+    samples = [Sample(**json.loads(x)) for x in lines]
+    cfg = TrainConfig(num_layers=1, block_size=BLOCK, steps=1_000_000, batch_size=4, anchors_per_seq=4,
+                      eval_every=0, save_every=0, save_dtype="float32", time_budget_s=4.0)
+    out = run.root / "budget"
+    t0 = time.perf_counter()
+    res = train(run.target, out, samples, cfg, device="cpu", progress=False, save_checkpoints=False,
+                log=lambda *_: None)
+    assert time.perf_counter() - t0 < 4.0 + 20.0  # loading and export on top of the budget
+    assert 30 < res.steps < 1_000_000 and res.seconds <= 4.0 * 1.25, (res.steps, res.seconds)
+    assert (out / "model.safetensors").is_file()

@@ -238,8 +238,9 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
         return samples, {"path": str(path), "key": key, "cached": True, "seconds": 0.0}
 
     t0 = time.perf_counter()
+    # half the GPU at most: the training that follows in this process needs the rest
     llm = LLM(model=str(target), device=device, max_num_seqs=cfg.gen_batch, max_model_len=cfg.max_len,
-              seed=cfg.seed)
+              seed=cfg.seed, gpu_memory_utilization=0.5)
     tok = llm.get_tokenizer()
     if tok is None or tok.chat_template is None:
         raise ValueError(f"{target} has no tokenizer with a chat template; train-draft needs one")
@@ -491,6 +492,9 @@ class TrainConfig:
     # Target taps of every sample computed once and kept (on the training device) when they
     # fit in this many GiB, else recomputed by a target forward at every step.
     taps_cache_gib: float = 8.0
+    # Wall-clock seconds for the training loop (None: no limit). After a short calibration
+    # the run's total steps (and the cosine schedule with them) are fitted to the budget.
+    time_budget_s: float | None = None
 
 
 @dataclass
@@ -583,10 +587,11 @@ class DraftTrainer:
         w = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / (cfg.gamma or loss_gamma(b)))  # k = 1..B-1
         self.pos_weights = (w / w.sum()).to(device)
         self.opt = torch.optim.AdamW(self.draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.total_steps = cfg.steps  # fitted to cfg.time_budget_s once the step time is known
         warm = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 50)
-        steps = cfg.steps
 
         def lr_lambda(i: int) -> float:
+            steps = self.total_steps
             return min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / max(steps, 1)))
 
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda)
@@ -674,7 +679,7 @@ class DraftTrainer:
 
     # ---- checkpoints ----------------------------------------------------------------
     def state(self, extra: dict[str, Any]) -> dict[str, Any]:
-        return {"step": self.step, "draft": self.draft.state_dict(), "opt": self.opt.state_dict(),
+        return {"step": self.step, "total_steps": self.total_steps, "draft": self.draft.state_dict(), "opt": self.opt.state_dict(),
                 "sched": self.sched.state_dict(), "gen": self.gen.get_state(), "train_config": asdict(self.cfg),
                 "draft_config": self.draft_cfg, **extra}
 
@@ -776,20 +781,45 @@ def train(target: str | Path, out_dir: str | Path, samples: Sequence[Sample], cf
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train-draft", disable=not progress,
                dynamic_ncols=True)
     t0, tokens = time.perf_counter(), 0
+    start_step = trainer.step
     tau = res.held_out_history[-1][1] if res.held_out_history else float("nan")
+    budget = cfg.time_budget_s
+
+    def fit_to_budget() -> None:
+        """Steps that fit the time left at the rate so far (evaluations included): the cosine
+        schedule then ends when the budget does."""
+        done, el = trainer.step - start_step, time.perf_counter() - t0
+        fit = trainer.step + int(0.97 * (budget - el) / max(el / max(done, 1), 1e-9))
+        trainer.total_steps = max(trainer.step + 1, min(cfg.steps, fit))
+        bar.total = trainer.total_steps
+        log(f"time budget {budget:.0f}s: {el / max(done, 1) * 1e3:.1f} ms/step, training to step {trainer.total_steps}")
+
     try:
-        end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
-        while trainer.step < end:
+        while trainer.step < (trainer.total_steps if stop_at is None else min(trainer.total_steps, stop_at)):
             loss, n_tok = trainer.train_step(train_b)
             tokens += n_tok
             res.losses.append(loss)
             if math.isnan(res.first_loss):
                 res.first_loss = loss
-            if cfg.eval_every and trainer.step % cfg.eval_every == 0 and trainer.step < cfg.steps and len(held_b):
+            last = trainer.step >= trainer.total_steps
+            if cfg.eval_every and trainer.step % cfg.eval_every == 0 and not last and len(held_b):
                 tau = trainer.held_out_tau(held_b)
                 res.held_out_history.append((trainer.step, tau))
-            if cfg.save_every and trainer.step % cfg.save_every == 0 and trainer.step < cfg.steps:
+                if not progress:
+                    el = time.perf_counter() - t0
+                    log(f"step {trainer.step}/{trainer.total_steps}: loss {loss:.3f}, held-out tau {tau:.2f}, "
+                        f"{tokens / max(el, 1e-9):.0f} tok/s, {el:.0f}s")
+            if cfg.save_every and trainer.step % cfg.save_every == 0 and not last:
                 save_checkpoint()
+            if budget is not None:
+                done = trainer.step - start_step
+                # calibrate after the first steps, refine at every evaluation in the first half
+                if done == 30 or (cfg.eval_every and trainer.step % cfg.eval_every == 0
+                                  and trainer.step - start_step < (trainer.total_steps - start_step) / 2):
+                    fit_to_budget()
+                elif time.perf_counter() - t0 > budget:
+                    log(f"time budget {budget:.0f}s spent at step {trainer.step}")
+                    trainer.total_steps = trainer.step
             el = time.perf_counter() - t0
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(el, 1e-9):.0f}", tau=f"{tau:.2f}", refresh=False)
             bar.update(1)
@@ -860,6 +890,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--gen-batch", type=int, default=64, help="concurrent requests while generating data")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="wall-clock seconds for this whole command (data, training, export): the run's "
+                         "steps (and its learning-rate schedule) are fitted to what is left after the data")
+    ap.add_argument("--data-only", action="store_true",
+                    help="generate (or find) the cached data and stop; a later run trains on it")
+    ap.add_argument("--taps-cache-gib", type=float, default=8.0,
+                    help="keep the target's taps of every sample on the training device when they fit")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -867,6 +904,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .model_path import resolve_model_path
 
+    t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.block_size < 2 or args.layers < 1 or args.steps < 0 or args.samples < 2:
@@ -879,11 +917,18 @@ def main(argv: list[str] | None = None) -> int:
                       response_tokens=args.response_tokens, seed=args.seed, gen_batch=args.gen_batch)
     samples, info = build_dataset(target, args.data_dir or out / "data", dcfg, block_size=args.block_size,
                                   device=args.device)
+    if args.data_only:
+        print(f"data ready: {len(samples)} samples in {info['path']}")
+        return 0
     n_held = min(max(4, round(len(samples) * dcfg.held_out)), len(samples) // 2)
     train_s, held = samples[n_held:], samples[:n_held]
     cfg = TrainConfig(num_layers=args.layers, block_size=args.block_size, steps=args.steps,
                       batch_size=args.batch_size, anchors_per_seq=args.anchors, lr=args.lr, seed=args.seed,
-                      eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype)
+                      eval_every=args.eval_every, save_every=args.save_every, save_dtype=args.save_dtype,
+                      taps_cache_gib=args.taps_cache_gib)
+    if args.time_budget is not None:
+        # what is left after the data, less a margin for loading, the taps and the export
+        cfg.time_budget_s = max(1.0, args.time_budget - (time.perf_counter() - t_start) - 30.0)
     res = train(target, out, train_s, cfg, held_out=held, device=args.device, resume=args.resume,
                 progress=not args.no_progress, data_info=info, stop_at=args.stop_at)
     report = {"target": str(target), "data": {**asdict(dcfg), **info}, "train": asdict(cfg),

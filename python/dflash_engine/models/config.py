@@ -14,12 +14,16 @@ DRAFT_ARCHITECTURE = "DFlashDraftModel"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None = None) -> torch.dtype:
-    """"auto" picks the checkpoint's float16/bfloat16/float32 dtype, else float32."""
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None = None, device=None) -> torch.dtype:
+    """"auto" picks the checkpoint's float16/bfloat16/float32 dtype, else float32; on a GPU a
+    float32 checkpoint runs in bfloat16 (as vLLM's "auto" does), on the CPU in float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
+        picked = _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
+        if picked == torch.float32 and device is not None and torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return picked
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

@@ -102,7 +102,7 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu
     """batch_invariant: CPU GEMMs in the exact mode (a row's bits never depend on its batch);
     None: from $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT (default off: plain F.linear)."""
     cfg = ModelConfig.from_dict(read_config(path))
-    return _build(TARGET_CLASSES[cfg.architecture], cfg, path, resolve_dtype(dtype, cfg.torch_dtype), device,
+    return _build(TARGET_CLASSES[cfg.architecture], cfg, path, resolve_dtype(dtype, cfg.torch_dtype, device), device,
                   batch_invariant)
 
 
@@ -110,9 +110,9 @@ def load_draft(
     path: str | Path, target_config: ModelConfig, dtype: str | torch.dtype = "auto", device="cpu",
     batch_invariant: bool | None = None,
 ) -> DFlashDraftModel:
-    """dtype "auto": the target's checkpoint dtype (the draft reads the target's embeddings and
+    """dtype "auto": the target's dtype ("auto" of its checkpoint dtype; the draft reads the target's embeddings and
     hidden states, so it computes in the target's dtype; a bf16 draft serves a float32 target)."""
     cfg = DraftConfig.from_dict(read_config(path))
     validate_draft_against_target(cfg, target_config)
-    return _build(DFlashDraftModel, cfg, path, resolve_dtype(dtype, target_config.torch_dtype), device,
+    return _build(DFlashDraftModel, cfg, path, resolve_dtype(dtype, target_config.torch_dtype, device), device,
                   batch_invariant)
