@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             on["speedup"] = round(on["tok_s"] / off["tok_s"], 3)
+            if args.json:  # after every pair, so that a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"info": info, "rows": rows}, f, indent=1)
     print(f"\n{'set':<10}{'c':>4}{'spec':>6}{'tok/s':>10}{'tau':>7}{'speedup':>9}  same as spec-off")
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
