@@ -39,7 +39,7 @@ def test_random_ladder_writes_json_and_png(spec_on_server, tmp_path):
 
 
 def test_humaneval_chat(fresh_server, tmp_path):
-    server = fresh_server(max_model_len=2048)
+    server = fresh_server(max_model_len=2048, num_gpu_blocks_override=256)  # room for one 2048-token request
     args = _args(server, tmp_path, "--concurrency", "2", "--num-prompts", "2",
                  "--dataset-name", "humaneval", "--humaneval-output-len", "6", "--backend", "openai-chat")
     assert bench_serve.main(args) == 0

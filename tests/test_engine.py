@@ -64,8 +64,9 @@ def test_dflash_equals_spec_off_at_any_concurrency(qwen3_dir, random_draft_dir, 
 
 def test_dflash_lossless_under_chunked_prefill_and_preemption(qwen3_dir, random_draft_dir, reference):
     ps, ref = reference
-    # A 24-token budget forces chunked prefill; 10 pages of 16 slots force preemption.
-    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=12, max_num_batched_tokens=24,
+    # A 24-token budget forces chunked prefill; 10 pages of 16 slots force preemption (and
+    # hold one request of max_model_len 128, as startup requires).
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=12, max_num_batched_tokens=24, max_model_len=128,
               num_gpu_blocks_override=10, speculative_config=spec(random_draft_dir))
     assert tokens(llm.generate(ps[:12], GREEDY, use_tqdm=False)) == ref[:12]
     assert llm.stats().num_preemptions > 0
@@ -234,7 +235,7 @@ def test_trained_draft_is_lossless_and_tau_is_the_same_at_c1_and_c8(trained, lea
 
 def test_trained_draft_lossless_under_pressure_and_mid_block_stops(trained, learnable_reference):
     ps, params, ref = learnable_reference
-    llm = LLM(model=str(trained.target), device="cpu", max_num_seqs=8, max_num_batched_tokens=12,
+    llm = LLM(model=str(trained.target), device="cpu", max_num_seqs=8, max_num_batched_tokens=12, max_model_len=96,
               num_gpu_blocks_override=8, speculative_config=spec(trained.draft))
     assert tokens(llm.generate(ps, params, use_tqdm=False)) == ref
     st = llm.stats()

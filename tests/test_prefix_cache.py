@@ -91,8 +91,9 @@ def test_caching_changes_neither_outputs_nor_acceptance(trained, caching_off, co
 
 def test_caching_is_lossless_under_preemption_and_chunked_prefill(trained, caching_off):
     # 24-token steps chunk every prompt; 14 pages of 4 tokens hold about two requests at once,
-    # so requests are preempted and resume (re-admitted through the cache).
-    kw = dict(block_size=4, max_num_batched_tokens=24, num_gpu_blocks_override=40)
+    # so requests are preempted and resume (re-admitted through the cache). (40 pages hold
+    # one request of max_model_len 128, as startup requires.)
+    kw = dict(block_size=4, max_num_batched_tokens=24, num_gpu_blocks_override=40, max_model_len=128)
     ref_tokens, ref_stats = caching_off(12, **kw)
     llm = LLM(model=str(trained.target), device="cpu", max_num_seqs=12, speculative_config=spec(trained.draft), **kw)
     warm, reqs = shared_prefix_workload(12)

@@ -2,9 +2,10 @@
 
 Each rung sends the same prompts at a fixed concurrency, streamed, and measures what a
 client sees (TTFT, ITL, TPOT from chunk arrival; token counts from the server's usage).
-τ (mean tokens per verify step, 1 + accepted/drafts) comes from the server's /metrics
-counters read before and after the rung, when the server exposes them. A rung with any
-failed request is VOID: its error is recorded and its numbers are not averaged.
+τ (mean tokens per verify step, 1 + accepted/drafts) and the GPU's idle time per step (from
+dflash-engine's step timer: idle ms per step and idle as a share of step time) come from the
+server's /metrics counters read before and after the rung, when the server exposes them. A
+rung with any failed request is VOID: its error is recorded and its numbers are not averaged.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ _WORDS = (
 
 _SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 _SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
+_STEP_BUSY = "dflash:step_device_busy_seconds"
+_STEP_IDLE = "dflash:step_device_idle_seconds"
+_STEPS = "dflash:steps"
 
 
 @dataclass
@@ -148,17 +152,25 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict[str, Any], chat:
 
 
 async def _spec_counters(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """The server's cumulative counters this bench reads (τ and step timing), summed over
+    labels; a counter the server does not expose is absent (not 0)."""
     try:
         r = await client.get(f"{base}/metrics")
         r.raise_for_status()
     except httpx.HTTPError:
         return None
+    return _parse_counters(r.text)
+
+
+def _parse_counters(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
     totals = {_SPEC_ACCEPTED: 0.0, _SPEC_DRAFTS: 0.0, "synthetic": 0.0}
-    for family in text_string_to_metric_families(r.text):
-        if family.name in totals:
-            samples = [s for s in family.samples if s.name.endswith("_total")]
+    for family in text_string_to_metric_families(text):
+        samples = [s for s in family.samples if s.name.endswith("_total")]
+        if family.name in (_STEP_BUSY, _STEP_IDLE, _STEPS):
+            totals[family.name] = sum(s.value for s in samples)
+        elif family.name in totals:
             totals[family.name] += sum(s.value for s in samples)
             if any(s.labels.get("acceptance") == "synthetic" for s in samples):
                 totals["synthetic"] = 1.0  # benchmark-only acceptance: label every output
@@ -172,12 +184,27 @@ def _tau(before: dict[str, float] | None, after: dict[str, float] | None) -> flo
     return None if drafts <= 0 else 1.0 + (after[_SPEC_ACCEPTED] - before[_SPEC_ACCEPTED]) / drafts
 
 
+def _step_idle(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
+    """GPU idle per step over the rung: mean idle ms between steps, and idle as % of
+    (busy + idle); None where the server has no step timer or ran no step."""
+    none = {"steps": None, "idle_ms_per_step": None, "busy_ms_per_step": None, "idle_pct": None}
+    keys = (_STEP_BUSY, _STEP_IDLE, _STEPS)
+    if before is None or after is None or not all(k in before and k in after for k in keys):
+        return none
+    busy, idle, steps = (after[k] - before[k] for k in keys)
+    if steps <= 0:
+        return none
+    return {"steps": int(steps), "idle_ms_per_step": 1000.0 * idle / steps, "busy_ms_per_step": 1000.0 * busy / steps,
+            "idle_pct": 100.0 * idle / (busy + idle) if busy + idle > 0 else None}
+
+
 def _p99(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-def _summarize(c: int, results: list[RequestResult], duration: float, tau: float | None) -> dict:
+def _summarize(c: int, results: list[RequestResult], duration: float, tau: float | None,
+               step_idle: dict[str, float | None] | None = None) -> dict:
     failed = [r for r in results if not r.ok]
     rung: dict[str, Any] = {"concurrency": c, "ok": len(results) - len(failed),
                             "failed": len(failed), "duration_s": duration}
@@ -201,6 +228,7 @@ def _summarize(c: int, results: list[RequestResult], duration: float, tau: float
         "mean_itl_ms": statistics.fmean(itls) * ms if itls else None,
         "p99_itl_ms": _p99(itls) * ms if itls else None,
         "tau": tau,
+        **(step_idle or _step_idle(None, None)),
         "mean_prompt_tokens": statistics.fmean(r.prompt_tokens for r in results),
         "mean_output_tokens": out_tokens / len(results),
     }
@@ -289,8 +317,7 @@ async def run(args: argparse.Namespace) -> dict:
             results = await asyncio.gather(*(limited(b, sem) for b in bodies))
             duration = time.perf_counter() - t0
             after = await _spec_counters(client, base)
-            tau = _tau(before, after)
-            rungs.append(_summarize(c, results, duration, tau))
+            rungs.append(_summarize(c, results, duration, _tau(before, after), _step_idle(before, after)))
             if after and after["synthetic"]:
                 rungs[-1]["acceptance"] = "synthetic"
         bar.close()
@@ -309,7 +336,8 @@ def _print_table(result: dict) -> None:
         return "-" if x is None else format(x, spec)
 
     print(f"{'conc':>5} {'status':>6} {'ok/fail':>8} {'out tok/s':>10} {'tot tok/s':>10} "
-          f"{'TTFT ms':>9} {'p99 TTFT':>9} {'TPOT ms':>8} {'ITL ms':>8} {'tau':>5}")
+          f"{'TTFT ms':>9} {'p99 TTFT':>9} {'TPOT ms':>8} {'ITL ms':>8} {'tau':>5} "
+          f"{'idle ms/step':>12} {'idle %':>6}")
     for r in result["rungs"]:
         line = f"{r['concurrency']:>5} {r['status']:>6} {r['ok']:>4}/{r['failed']:<3}"
         if r["status"] == "VOID":
@@ -317,7 +345,8 @@ def _print_table(result: dict) -> None:
             continue
         print(f"{line} {f(r['output_throughput']):>10} {f(r['total_token_throughput']):>10} "
               f"{f(r['mean_ttft_ms']):>9} {f(r['p99_ttft_ms']):>9} {f(r['mean_tpot_ms']):>8} "
-              f"{f(r['mean_itl_ms']):>8} {f(r['tau'], '.2f'):>5}"
+              f"{f(r['mean_itl_ms']):>8} {f(r['tau'], '.2f'):>5} "
+              f"{f(r['idle_ms_per_step'], '.2f'):>12} {f(r['idle_pct']):>6}"
               + ("  SYNTHETIC acceptance" if r.get("acceptance") == "synthetic" else ""))
 
 

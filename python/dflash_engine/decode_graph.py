@@ -101,6 +101,7 @@ class DecodeGraphRunner:
         self.host_out = torch.zeros(n + self.max_bs, dtype=torch.int64, pin_memory=on_gpu)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self._warmup_stream = None
         self.capture_seconds = 0.0
         self.graph_bytes = 0
 
@@ -215,6 +216,7 @@ class DecodeGraphRunner:
                 self._capture_one(bs, all_greedy)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks: not graph memory; the pool stays
         self.graph_bytes += max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         logger.info("captured %d decode graphs (buckets %s) in %.1f s, %.0f MiB", len(self.graphs),
                     self.buckets, self.capture_seconds, self.graph_bytes / 2**20)
@@ -232,7 +234,11 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def _capture_one(self, bs: int, all_greedy: bool) -> None:
-        stream = torch.cuda.Stream(self.device)
+        # One warm-up stream for every capture: each new stream would get its own cuBLAS
+        # workspace and its own cached blocks.
+        if self._warmup_stream is None:
+            self._warmup_stream = torch.cuda.Stream(self.device)
+        stream = self._warmup_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
@@ -251,22 +257,22 @@ class DecodeGraphRunner:
         r = len(plan)
         bs = self.bucket(r)
         n = bs * self.b
-        self._stage(plan, st, bs)
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)
-        self.dev_f32.copy_(self.host_f32, non_blocking=True)
         key = (bs, all_greedy)
         if not self.enforce_eager and key not in self.graphs:
             # First sampled step at this size: capture now (greedy graphs exist from startup).
             self._reset_inputs()
             self._capture_one(bs, all_greedy)
-            self._stage(plan, st, bs)
-            self.dev_i64.copy_(self.host_i64, non_blocking=True)
-            self.dev_f32.copy_(self.host_f32, non_blocking=True)
+        self._stage(plan, st, bs)
+        timer = self.r.step_timer
+        timer.begin()  # the step's first launch follows: the two input copies
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        self.dev_f32.copy_(self.host_f32, non_blocking=True)
         if self.enforce_eager:
             self._step(bs, all_greedy)
         else:
             self.graphs[key].replay()
         self.host_out[:n + bs].copy_(self.out[:n + bs], non_blocking=True)
+        timer.end()  # after the last launch (the copy back), before the wait for it
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         out = self.host_out.numpy()

@@ -41,6 +41,11 @@ class EngineStats:
     # Prefix cache, in tokens: looked up at admission, and of those served from the cache.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Device time per step (step_timer.py): busy from a step's first launch to its last; idle
+    # from one step's end to the next one's start, counted only while requests were waiting.
+    step_busy_seconds: float = 0.0
+    step_idle_seconds: float = 0.0
+    num_steps: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -73,8 +78,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_path, self.max_model_len)
         self.model_config = self.runner.model_config
         self.num_speculative_tokens = self.runner.num_speculative_tokens
-        b = self.num_speculative_tokens + 1
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, b * config.max_num_seqs)
+        self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.scheduler = _core.Scheduler(
             num_pages=self.runner.num_pages,
             page_size=config.block_size,
@@ -110,8 +114,7 @@ class LLMEngine:
     @property
     def max_concurrency(self) -> float:
         """How many full-length requests the KV pool holds at once."""
-        per_seq = _core.pages_per_seq(self.max_model_len, self.num_speculative_tokens, self.config.block_size)
-        return self.num_usable_pages / per_seq
+        return self.runner.memory.max_concurrency
 
     # ---- requests ---------------------------------------------------------------
     def add_request(
@@ -157,11 +160,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if plan is None:
+            self.runner.step_timer.pause()  # nothing to run: the wait until the next step is not idle time
             return []
         try:
             return self._run(plan)
         except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
             logger.exception("engine step failed; retrying its %d requests one by one", len(plan))
+            self.runner.step_timer.pause()  # a half-timed step: neither busy nor idle
             self.scheduler.cancel(plan)
             if len(plan) == 1:
                 return self._fail_alone(int(plan.handles[0]), e)
@@ -189,6 +194,7 @@ class LLMEngine:
                 outputs += self._run(plan)
             except Exception as e:  # noqa: BLE001
                 logger.exception("request %s failed its step alone", self._requests[h].request_id)
+                self.runner.step_timer.pause()
                 self.scheduler.cancel(plan)
                 outputs += self._fail_alone(h, e)
         return outputs
@@ -262,15 +268,20 @@ class LLMEngine:
         return outputs
 
     def _finish(self, handle: int, reason: str, error: str | None = None) -> RequestOutput:
-        return self._requests.pop(handle).finish(reason, error)
+        out = self._requests.pop(handle).finish(reason, error)
+        if not self._requests:
+            self.runner.step_timer.pause()  # the engine is idle now, not the device waiting on it
+        return out
 
     def stats(self) -> EngineStats:
         """A snapshot (safe to read while the engine keeps stepping)."""
         s = self._stats
+        busy, idle, steps = self.runner.step_timer.totals()
         return dataclasses.replace(
             s, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions, spec_accepted_per_pos=list(s.spec_accepted_per_pos),
             prefix_cache_queries=self.scheduler.prefix_cache_queries, prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            step_busy_seconds=busy, step_idle_seconds=idle, num_steps=steps,
         )
 
 

@@ -5,9 +5,12 @@ request is always exactly the target's committed positions. Page 0 is the null p
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from . import _core
 from .models.config import DraftConfig, ModelConfig, resolve_dtype
 
 
@@ -65,3 +68,134 @@ class KVCache:
 
         return cls([pair(*s) for s in target], [pair(*s) for s in draft], num_pages, page_size)
 
+
+# ---- sizing the pool ---------------------------------------------------------------------
+
+GiB = float(1 << 30)
+
+
+def kv_budget(total: int, in_use: int, peak_activation: int, utilization: float, graph_reserve: int = 0) -> int:
+    """Device bytes left for the KV pool, vLLM's rule (may be negative):
+
+        total * utilization - in_use - peak_activation - graph_reserve
+
+    `in_use`: device memory in use once the weights are loaded and the profile step has run
+    (weights, CUDA context, library workspaces, other processes); `peak_activation`: the
+    allocator's growth during the profile step (the largest step's activations, freed
+    between steps but needed at every step); `graph_reserve`: what CUDA-graph capture will
+    take after the pool exists."""
+    return int(total * utilization) - in_use - peak_activation - graph_reserve
+
+
+def size_pool(total: int, in_use: int, peak_activation: int, utilization: float, bytes_per_page: int,
+              graph_reserve: int = 0) -> int:
+    """Pages (null page included) that fit in `kv_budget`; a negative budget is 0 pages."""
+    return max(0, kv_budget(total, in_use, peak_activation, utilization, graph_reserve)) // bytes_per_page
+
+
+def cpu_pool_pages(budget_bytes: int, bytes_per_page: int, max_num_seqs: int, pages_per_seq: int) -> int:
+    """CPU: pages (null page included) in a byte budget (`DFLASH_CPU_KV_CACHE_GB`), capped by
+    what `max_num_seqs` full-length requests can ever use."""
+    return min(budget_bytes // bytes_per_page, max_num_seqs * pages_per_seq + 1)
+
+
+@dataclass
+class MemoryReport:
+    """Every sizing fact of the KV pool, in one place (logged at startup, printed by `serve`).
+    Byte fields are None where they were not measured (CPU: no profile step)."""
+
+    device: str
+    num_pages: int  # in the pool, the null page included
+    page_size: int  # tokens per page
+    bytes_per_page: int  # target + draft K/V of one page
+    max_model_len: int
+    num_speculative_tokens: int
+    max_num_seqs: int
+    source: str  # what decided num_pages (a flag, or the CPU byte budget)
+    total_bytes: int | None = None  # device memory
+    utilization: float | None = None  # --gpu-memory-utilization
+    weights_bytes: int | None = None  # allocated by torch after loading target + draft
+    in_use_bytes: int | None = None  # device memory in use after the profile step (weights included)
+    peak_activation_bytes: int | None = None  # the profile step's peak growth
+    graph_reserve_bytes: int = 0  # budgeted for CUDA graphs before capture
+    graph_bytes: int = 0  # what capture took (measured after it)
+    profile_tokens: int = 0  # the profile step: target rows ...
+    profile_sample_rows: int = 0  # ... and sampled rows
+
+    @property
+    def pages_per_seq(self) -> int:
+        """Pages one request of max_model_len holds at most (the core's admission bound)."""
+        return _core.pages_per_seq(self.max_model_len, self.num_speculative_tokens, self.page_size)
+
+    @property
+    def usable_pages(self) -> int:
+        return max(0, self.num_pages - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.usable_pages * self.page_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def max_concurrency(self) -> float:
+        """Full-length requests (max_model_len) the pool holds at once."""
+        return self.usable_pages / self.pages_per_seq
+
+    def check_holds_one_request(self) -> None:
+        """Startup refuses a pool that cannot hold one request of max_model_len: such a request
+        would be admitted by no scheduler, ever."""
+        need = self.pages_per_seq
+        if self.usable_pages >= need:
+            return
+        override = f"set --num-gpu-blocks-override to at least {need}"
+        if self.source.startswith("--num-gpu-blocks-override"):
+            fix = f"{override} or lower --max-model-len"
+        elif self.device == "cpu":
+            fix = f"raise DFLASH_CPU_KV_CACHE_GB, lower --max-model-len, or {override}"
+        else:
+            fix = f"raise --gpu-memory-utilization (now {self.utilization}), lower --max-model-len, or {override}"
+        budget = self.budget_line()
+        raise ValueError(
+            f"the KV cache holds {self.usable_pages} pages ({self.num_tokens} tokens; {self.source}) but one "
+            f"request of --max-model-len {self.max_model_len} needs {need} pages of {self.page_size} tokens "
+            f"(verify block included): {fix}" + (f". {budget}" if budget else ""))
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """What `size_pool` gave the KV cache (None: not measured, CPU)."""
+        if self.total_bytes is None:
+            return None
+        return kv_budget(self.total_bytes, self.in_use_bytes, self.peak_activation_bytes, self.utilization,
+                         self.graph_reserve_bytes)
+
+    def budget_line(self) -> str:
+        """CUDA: the budget arithmetic, with the profile step's numbers ("" on CPU)."""
+        if self.total_bytes is None:
+            return ""
+        took = f"; CUDA graphs took {_size(self.graph_bytes)}" if self.graph_bytes else ""
+        return (f"memory: {_size(self.total_bytes)} x {self.utilization:.2f} - in use {_size(self.in_use_bytes)} "
+                f"(weights {_size(self.weights_bytes)}) - peak activation {_size(self.peak_activation_bytes)} "
+                f"(profile step: {self.profile_tokens} tokens, {self.profile_sample_rows} sampled rows) "
+                f"- CUDA graph reserve {_size(self.graph_reserve_bytes)} = KV budget {_size(self.budget_bytes)}"
+                + took)
+
+    def lines(self) -> list[str]:
+        """The startup report: the pool, the memory budget behind it (CUDA), the concurrency."""
+        lines = [
+            f"KV pool: {self.usable_pages} pages x {self.page_size} tokens = {self.num_tokens} tokens, "
+            f"{_size(self.kv_bytes)} ({_size(self.bytes_per_page)}/page, target + draft K/V); sized by {self.source}",
+            self.budget_line(),
+            f"max concurrency at --max-model-len {self.max_model_len}: {self.max_concurrency:.2f} requests "
+            f"({self.pages_per_seq} pages each; --max-num-seqs {self.max_num_seqs})",
+        ]
+        return [line for line in lines if line]
+
+
+def _size(n: int | None) -> str:
+    n = n or 0
+    if abs(n) >= 1 << 30:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if abs(n) >= 1 << 20 else f"{n / 1024:.1f} KiB"

@@ -14,22 +14,26 @@ import gc
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from . import _core
 from .config import EngineConfig, synthetic_rates
-from .kv_cache import KVCache
+from .kv_cache import KVCache, MemoryReport, cpu_pool_pages, size_pool
 from .models import load_draft, load_target
 from .ops.attention import AttentionMetadata
 from .decode_graph import DecodeGraphRunner
 from .ops.dispatch import use_kernels
 from .sampler import SamplingTensors, accept, sample, synthetic_accept
+from .step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES_DEFAULT = 1 << 30
+# Budgeted for CUDA graphs on top of the measured decode step (module loads, workspaces).
+_GRAPH_SLACK_BYTES = 256 << 20
 
 
 def resolve_device(device: str) -> torch.device:
@@ -78,36 +82,115 @@ class ModelRunner:
         self.bytes_per_page = KVCache.bytes_per_page(
             self.model_config, self.draft.config if self.draft else None, self.page_size, self.dtype
         )
-        self.num_pages = self._num_pages(cfg, max_model_len)
+        b = self.num_speculative_tokens + 1
+        # The scheduler's token budget per step (its default lives here: the profile step needs it).
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(2048, b * cfg.max_num_seqs)
+        self.step_timer = StepTimer(self.device)
+        # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each.
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if use_kernels(self.target.model.embed_tokens.weight):
+            self.decode_graphs = DecodeGraphRunner(self, cfg.max_num_seqs, max_model_len, cfg.enforce_eager)
+        # Size the pool (profile step on CUDA), refuse one that cannot hold a full-length
+        # request, allocate it, then capture the graphs (they bake in the pool's addresses).
+        self.memory = self._size_pool(cfg, max_model_len)
+        self.memory.check_holds_one_request()
+        self.num_pages = self.memory.num_pages
         self.kv = KVCache.allocate(
             self.model_config, self.draft.config if self.draft else None,
             self.num_pages, self.page_size, self.dtype, self.device,
         )
-        # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each.
-        self.decode_graphs: DecodeGraphRunner | None = None
-        if use_kernels(self.kv.target[0][0]):
-            self.decode_graphs = DecodeGraphRunner(self, cfg.max_num_seqs, max_model_len, cfg.enforce_eager)
+        if self.decode_graphs is not None:
             self.decode_graphs.capture()
+            self.memory.graph_bytes = self.decode_graphs.graph_bytes
+            if self.memory.graph_bytes > self.memory.graph_reserve_bytes:
+                logger.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them; if the GPU "
+                               "runs out of memory, lower --gpu-memory-utilization", self.memory.graph_bytes / 2**20,
+                               self.memory.graph_reserve_bytes / 2**20)
+        for line in self.memory.lines():
+            logger.info(line)
+        self.step_timer = StepTimer(self.device)  # afresh: the profile step is no engine step
 
-    def _num_pages(self, cfg: EngineConfig, max_model_len: int) -> int:
-        """Pages in the pool, null page included: the only capacity number."""
-        if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override + 1
+    # ---- memory ----------------------------------------------------------------------------
+    def _size_pool(self, cfg: EngineConfig, max_model_len: int) -> MemoryReport:
+        """Pages in the pool, null page included, and how they were decided.
+        CUDA: profile the largest step, then vLLM's budget (`size_pool`). CPU: a byte budget.
+        `num_gpu_blocks_override` wins over both (the profile still runs on CUDA: it also
+        proves at startup that the largest step fits)."""
+        report = MemoryReport(
+            device=self.device.type, num_pages=0, page_size=self.page_size, bytes_per_page=self.bytes_per_page,
+            max_model_len=max_model_len, num_speculative_tokens=self.num_speculative_tokens,
+            max_num_seqs=cfg.max_num_seqs, source="",
+        )
         if self.device.type == "cuda":
             # Memory cached by torch for engines already dropped in this process counts as free.
             gc.collect()
             torch.cuda.empty_cache()
+            report.weights_bytes = torch.cuda.memory_allocated(self.device)
+            step_peak, decode_peak = self.profile(cfg.max_num_seqs, max_model_len, report)
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations and logits of the largest step.
-            reserve = (1 << 30) + 4 * self.model_config.vocab_size * 4096 * 2
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
-            if budget < 2 * self.bytes_per_page:
-                raise ValueError("not enough GPU memory left for the KV cache")
-            return budget // self.bytes_per_page
-        # CPU: a byte budget, capped by what max_num_seqs full-length requests can use.
-        budget = int(float(os.environ.get("DFLASH_CPU_KV_CACHE_GB", "0") or 0) * (1 << 30)) or _CPU_KV_BYTES_DEFAULT
-        per_seq = _core.pages_per_seq(max_model_len, self.num_speculative_tokens, self.page_size)
-        return max(2, min(budget // self.bytes_per_page, cfg.max_num_seqs * per_seq + 1))
+            report.total_bytes, report.in_use_bytes = total, total - free
+            report.utilization = cfg.gpu_memory_utilization
+            report.peak_activation_bytes = max(step_peak, decode_peak or 0)
+            graphs = self.decode_graphs is not None and not self.decode_graphs.enforce_eager
+            # The graphs' private pool holds about one decode step at the largest bucket (the
+            # buckets share it, largest captured first); plus slack for what capture loads
+            # (cuBLAS workspaces, Triton modules). Checked against the real number after capture.
+            report.graph_reserve_bytes = (decode_peak or 0) + _GRAPH_SLACK_BYTES if graphs else 0
+            report.num_pages = size_pool(total, report.in_use_bytes, report.peak_activation_bytes,
+                                         cfg.gpu_memory_utilization, self.bytes_per_page, report.graph_reserve_bytes)
+            report.source = f"--gpu-memory-utilization {cfg.gpu_memory_utilization}"
+        else:
+            gb = float(os.environ.get("DFLASH_CPU_KV_CACHE_GB", "0") or 0)
+            budget = int(gb * (1 << 30)) or _CPU_KV_BYTES_DEFAULT
+            report.num_pages = cpu_pool_pages(budget, self.bytes_per_page, cfg.max_num_seqs, report.pages_per_seq)
+            report.source = f"DFLASH_CPU_KV_CACHE_GB={gb:g}" if gb else "DFLASH_CPU_KV_CACHE_GB (default 1)"
+            if report.num_pages < budget // self.bytes_per_page:
+                report.source = f"--max-num-seqs {cfg.max_num_seqs} full-length requests (within {report.source})"
+        if cfg.num_gpu_blocks_override is not None:
+            report.num_pages = cfg.num_gpu_blocks_override + 1
+            report.source = f"--num-gpu-blocks-override {cfg.num_gpu_blocks_override}"
+        return report
+
+    @torch.inference_mode()
+    def profile(self, max_num_seqs: int, max_model_len: int, report: MemoryReport | None = None
+                ) -> tuple[int | None, int | None]:
+        """Run the largest steps the engine can schedule on a 2-page KV cache and return their
+        peak memory growth on CUDA (None on CPU, where the step still runs): (the largest eager
+        step, the pure-decode step at the largest batch bucket (None without decode graphs)).
+        Reads and writes stay inside the temporary cache (`_profile_plan`; the decode step
+        runs padding requests only); the real pool, if any, is left untouched."""
+        plan, st = _profile_plan(self.max_num_batched_tokens, max_num_seqs, self.num_speculative_tokens + 1,
+                                 max_model_len, self.page_size, self.model_config.vocab_size)
+        if report is not None:
+            report.profile_tokens, report.profile_sample_rows = len(plan.input_ids), len(plan.sample_rows)
+        real_kv = getattr(self, "kv", None)
+        self.kv = KVCache.allocate(self.model_config, self.draft.config if self.draft else None, 2,
+                                   self.page_size, self.dtype, self.device)
+        try:
+            step = self._peak_bytes(lambda: self._execute_eager(plan, st, all_greedy=False))
+            decode = None
+            g = self.decode_graphs
+            if g is not None:
+                g._reset_inputs()  # every request a padding request: q_len 0, slots -1, null pages
+                decode = self._peak_bytes(lambda: g._step(g.max_bs, all_greedy=False))
+        finally:
+            self.kv = real_kv  # None until the pool exists
+        return step, decode
+
+    def _peak_bytes(self, fn) -> int | None:
+        """Run `fn`; on CUDA return how far the allocator's reserved memory (what it took from
+        the device) rose above its level before (CPU: no allocator statistics, None)."""
+        if self.device.type != "cuda":
+            fn()
+            return None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_reserved(self.device)
+        fn()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_reserved(self.device) - base
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         # Plan arrays are read-only numpy: copy rather than alias them.
@@ -124,8 +207,11 @@ class ModelRunner:
         """Returns (accepted drafts per plan entry, sampled token per plan sample row).
         `st`: per sample row, the owning request's sampling parameters (numpy)."""
         if self.decode_graphs is not None and plan.num_decode == len(plan):
-            return self.decode_graphs.run(plan, st, all_greedy)
-        return self._execute_eager(plan, st, all_greedy)
+            out = self.decode_graphs.run(plan, st, all_greedy)
+        else:
+            out = self._execute_eager(plan, st, all_greedy)
+        self.step_timer.resolve()  # the step has waited for its results: its marks are readable
+        return out
 
     def _sample(self, logits: torch.Tensor, st: dict[str, np.ndarray], all_greedy: bool) -> torch.Tensor:
         t = SamplingTensors.from_numpy(st, self.device)
@@ -138,6 +224,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute_eager(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+        self.step_timer.begin()  # the step's first launch follows (busy/idle marks: step_timer.py)
         input_ids = self._t(plan.input_ids)
         draft_tokens = None
         n_dec = plan.num_decode
@@ -171,5 +258,58 @@ class ModelRunner:
                 seeds = self._t(st["seed"][plan.sample_start[:n_dec]])
                 accepted[:n_dec], sampled[rows] = synthetic_accept(
                     drafts, sampled[rows], seeds, self._t(plan.positions[bonus_rows]), self.synthetic_rates)
-        out = torch.cat([accepted, sampled]).cpu().numpy()  # one device-to-host copy
+        out = torch.cat([accepted, sampled]).cpu().numpy()  # one device-to-host copy (the last launch)
+        self.step_timer.end()
         return out[:len(plan)], out[len(plan):]
+
+
+class _ProfilePlan(SimpleNamespace):
+    def __len__(self) -> int:
+        return len(self.seq_lens)
+
+
+def _profile_plan(num_tokens: int, max_num_seqs: int, b: int, max_model_len: int, page_size: int,
+                  vocab_size: int) -> tuple[_ProfilePlan, dict[str, np.ndarray]]:
+    """The largest eager step the scheduler can plan, as a step plan for a 2-page KV cache.
+
+    max_num_seqs - 1 decoding requests of B rows (draft pass, verify block, B sampled rows
+    each) as far as the token budget allows, then prefill chunks (one sampled row each, at
+    most max_model_len rows) filling the rest of it: the target pass sees `num_tokens` rows,
+    the logits and the sampler nearly max_num_seqs * B rows. Every context is max_model_len
+    long (the widest attention and page tables), every page-table entry page 0 and every slot
+    in page 1: in bounds of a 2-page cache. Sampling is the random path (a full sort per
+    row), the heavier one."""
+    n_dec = min(max_num_seqs - 1, num_tokens // b)
+    q_lens = [b] * n_dec
+    rest = num_tokens - n_dec * b
+    while rest > 0 and len(q_lens) < max_num_seqs:
+        q_lens.append(min(rest, max_model_len))
+        rest -= q_lens[-1]
+    r = len(q_lens)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq_lens = np.full(r, max_model_len, np.int32)
+    positions = np.concatenate([np.arange(max_model_len - q, max_model_len) for q in q_lens]).astype(np.int64)
+    width = _core.pages_per_seq(max_model_len, b - 1, page_size)
+    tables = np.zeros((r, width), np.int32)
+    sample_rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) if i < n_dec else [qsl[i + 1] - 1]
+                                  for i in range(r)]).astype(np.int64)
+    per_req = [b if i < n_dec else 1 for i in range(r)]
+    rows = int(qsl[-1])
+    slots = page_size + np.arange(rows, dtype=np.int64) % page_size  # page 1, over and over
+    dec_rows = n_dec * b
+    plan = _ProfilePlan(
+        input_ids=np.zeros(rows, np.int64), positions=positions, slot_mapping=slots, query_start_loc=qsl,
+        seq_lens=seq_lens, page_tables=tables, sample_rows=sample_rows,
+        sample_start=np.concatenate([[0], np.cumsum(per_req)]).astype(np.int64),
+        num_drafts=np.array([b - 1 if i < n_dec else 0 for i in range(r)], np.int64), handles=np.arange(r),
+        num_decode=n_dec, block_rows=b,
+        draft_input_ids=np.zeros(dec_rows, np.int64), draft_positions=positions[:dec_rows],
+        draft_slot_mapping=slots[:dec_rows], draft_query_start_loc=qsl[:n_dec + 1], draft_seq_lens=seq_lens[:n_dec],
+        draft_page_tables=tables[:n_dec],
+        verify_target_rows=(qsl[:n_dec, None] + np.arange(1, b)).reshape(-1).astype(np.int64),
+    )
+    n = len(sample_rows)
+    st = {"greedy": np.zeros(n, np.bool_), "temperature": np.ones(n, np.float32),
+          "top_k": np.full(n, vocab_size, np.int64), "top_p": np.ones(n, np.float32),
+          "min_p": np.zeros(n, np.float32), "seed": np.zeros(n, np.int64), "position": positions[sample_rows] + 1}
+    return plan, st

@@ -458,14 +458,14 @@ def run_server(args: Any) -> None:
     from .cli_args import engine_kwargs
 
     engine = LLMEngine.from_kwargs(**engine_kwargs(args))
-    block_size = engine.config.block_size
     spec = engine.config.speculative_config
     print(f"model: {engine.model_path}  max_model_len: {engine.max_model_len}  speculative: "
           + (f"dflash draft {spec.model}, {engine.num_speculative_tokens} tokens" if spec else "off")
           + f"  prefix caching: {'on' if engine.config.enable_prefix_caching else 'off'}")
-    print(f"KV pool: {engine.num_usable_pages} pages x {block_size} tokens = "
-          f"{engine.num_usable_pages * block_size} tokens; max concurrency at max_model_len: "
-          f"{engine.max_concurrency:.2f} (max_num_seqs {engine.config.max_num_seqs})", flush=True)
+    # KV pool (pages x tokens, GiB, what sized it), the memory budget behind it (CUDA: the
+    # profile step), and the full-length concurrency it allows (kv_cache.MemoryReport).
+    for line in engine.runner.memory.lines():
+        print(line, flush=True)
     graphs = engine.runner.decode_graphs
     if graphs is not None:
         print("decode step: " + ("eager (--enforce-eager)" if graphs.enforce_eager else

@@ -36,6 +36,13 @@ _COUNTERS = [
      "Prefix cache queries, in terms of number of queried tokens."),
     ("vllm:prefix_cache_hits", "prefix_cache_hits",
      "Prefix cache hits, in terms of number of cached tokens."),
+    # Step timing (dflash_engine/step_timer.py): device busy from each step's first launch to
+    # its last; idle between one step's end and the next one's start while requests wait.
+    ("dflash:step_device_busy_seconds", "step_busy_seconds",
+     "Device time from each engine step's first launch to its last, summed."),
+    ("dflash:step_device_idle_seconds", "step_idle_seconds",
+     "Device time between consecutive engine steps while requests were running or waiting."),
+    ("dflash:steps", "num_steps", "Engine steps timed."),
 ]
 _GAUGES = [
     ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),

@@ -1,0 +1,75 @@
+"""Device busy and idle time per engine step (GPU.md, "The host side": measure the GPU's idle
+time between steps).
+
+The model runner calls `begin()` right before a step's first device launch and `end()` right
+after its last. busy = end - begin of each step; idle = begin of step N+1 - end of step N, the
+time the device waits on the host (schedule, commit, detokenise, HTTP) while there is work.
+
+On CUDA both marks are `torch.cuda.Event`s on the current stream, read lazily: a step's pair
+is resolved once its end event has completed (checked with `query()`, never waited on), so
+the timer adds no synchronisation. The runner resolves after each step (which has already
+waited for its results) and again before the next one. On CPU the device is the CPU itself and the marks are
+host clock readings; the same arithmetic holds, which keeps the accounting testable.
+
+Invariant: idle is only counted between two steps with work in between. The engine calls
+`pause()` when a schedule finds nothing to run and when its last request leaves; the next
+step then starts a new run of steps and its gap is not counted.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class StepTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.busy_seconds = 0.0
+        self.idle_seconds = 0.0
+        self.steps = 0
+        self._prev_end = None  # end mark of the latest step; None: paused (next gap not counted)
+        self._start = None  # begin mark of the step in flight
+        self._pending: list[tuple] = []  # (gap start or None, begin, end), oldest first
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+
+    def begin(self) -> None:
+        self.resolve()
+        self._start = self._mark()
+
+    def end(self) -> None:
+        if self._start is None:
+            return
+        end = self._mark()
+        self._pending.append((self._prev_end, self._start, end))
+        self._prev_end, self._start = end, None
+
+    def pause(self) -> None:
+        """The engine has no work (or a step failed midway): the next gap is not idle time."""
+        self._prev_end = self._start = None
+
+    def totals(self) -> tuple[float, float, int]:
+        """(busy seconds, idle seconds, steps) of the steps resolved so far (a plain read)."""
+        return self.busy_seconds, self.idle_seconds, self.steps
+
+    def resolve(self) -> None:
+        """Add up every step whose marks are complete; never waits (engine thread only)."""
+        done = 0
+        for gap_start, start, end in self._pending:
+            if self.cuda and not end.query():
+                break  # events complete in stream order: the later ones are not done either
+            self.busy_seconds += self._seconds(start, end)
+            if gap_start is not None:
+                self.idle_seconds += self._seconds(gap_start, start)
+            self.steps += 1
+            done += 1
+        del self._pending[:done]
