@@ -9,7 +9,7 @@
 set -o pipefail
 T0=$(date +%s)
 source bench/device_env.sh
-D=$ROOT/.dev/draft; L=/tmp/logs; mkdir -p $L
+D=/tmp/dev/draft; L=/tmp/logs; mkdir -p $L
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > $L/smi.txt
 COMMON="--out $D --samples ${SAMPLES:-8192} --gen-batch 256 --max-len 512 --response-tokens 384 --no-progress"
 timeout 240 python3 -m dflash_engine.cli train-draft $COMMON --data-only 2>&1 | tee $L/data.log | grep -v Processed

@@ -102,10 +102,10 @@ def humaneval_prompts() -> list[str]:
 
 
 def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str, batch_invariant: bool,
-        max_model_len: int, gpu_memory_utilization: float):
+        max_model_len: int, gpu_memory_utilization: float, num_speculative_tokens: int | None = None):
     from dflash_engine import LLM, SamplingParams
 
-    spec = {"method": "dflash", "model": draft} if draft else None
+    spec = {"method": "dflash", "model": draft, "num_speculative_tokens": num_speculative_tokens} if draft else None
     llm = LLM(model=target, speculative_config=spec, max_num_seqs=c, device=device,
               batch_invariant=batch_invariant, max_model_len=max_model_len,
               gpu_memory_utilization=gpu_memory_utilization)
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU: exact GEMMs (spec-on output must then equal spec-off exactly)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the draft's own")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     sets = {"humaneval": humaneval_prompts, "chat": lambda: list(CHAT_PROMPTS)}
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,
                       max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
             off, off_tokens = run(args.target, None, prompts, c, **kw)
-            on, on_tokens = run(args.target, args.draft, prompts, c, **kw)
+            on, on_tokens = run(args.target, args.draft, prompts, c, **kw,
+                                num_speculative_tokens=args.num_speculative_tokens)
             same = sum(a == b for a, b in zip(on_tokens, off_tokens))
             for r in (off, on):
                 r.update(set=name, same_as_spec_off=f"{same}/{len(prompts)}" if r["spec"] else "-")

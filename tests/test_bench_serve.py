@@ -34,8 +34,18 @@ def test_random_ladder_writes_json_and_png(spec_on_server, tmp_path):
         assert rung["output_throughput"] > 0 and rung["total_token_throughput"] > rung["output_throughput"]
         assert rung["mean_ttft_ms"] > 0 and rung["p99_ttft_ms"] >= rung["mean_ttft_ms"] * 0.999
         assert rung["mean_tpot_ms"] > 0 and rung["mean_itl_ms"] > 0
+        assert rung["p99_tpot_ms"] >= rung["mean_tpot_ms"] * 0.999
         assert 1.0 <= rung["tau"]  # spec on: τ read from the server's /metrics
     assert result["config"]["model"] == "tiny-qwen3" and "api_key" not in result["config"]
+
+
+def test_auto_prompt_counts_follow_the_ladder_rule(spec_on_server, tmp_path):
+    """--num-prompts auto: 8 requests below concurrency 4, 4 x concurrency from 4 on."""
+    assert [bench_serve.rung_prompts("auto", c) for c in (1, 2, 4, 8, 32)] == [8, 8, 16, 32, 128]
+    args = _args(spec_on_server, tmp_path, "--concurrency", "2,4", "--num-prompts", "auto",
+                 "--random-input-len", "8", "--random-output-len", "2")
+    assert bench_serve.main(args) == 0
+    assert [r["ok"] for r in _read(tmp_path)["rungs"]] == [8, 16]
 
 
 def test_humaneval_chat(fresh_server, tmp_path):

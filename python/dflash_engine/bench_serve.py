@@ -225,6 +225,7 @@ def _summarize(c: int, results: list[RequestResult], duration: float, tau: float
         "mean_ttft_ms": statistics.fmean(ttfts) * ms if ttfts else None,
         "p99_ttft_ms": _p99(ttfts) * ms if ttfts else None,
         "mean_tpot_ms": statistics.fmean(tpots) * ms if tpots else None,
+        "p99_tpot_ms": _p99(tpots) * ms if tpots else None,
         "mean_itl_ms": statistics.fmean(itls) * ms if itls else None,
         "p99_itl_ms": _p99(itls) * ms if itls else None,
         "tau": tau,
@@ -270,6 +271,14 @@ def _plot(result: dict, path: Path) -> None:
 # ---- the ladder --------------------------------------------------------------------------
 
 
+def rung_prompts(num_prompts: int | str, concurrency: int) -> int:
+    """Requests sent at one rung: a fixed number, or "auto": 8 below c=4, 4c from c=4 on
+    (every rung then runs several waves of its concurrency)."""
+    if num_prompts == "auto":
+        return 8 if concurrency < 4 else 4 * concurrency
+    return int(num_prompts)
+
+
 def _base_url(args: argparse.Namespace) -> str:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     return base.removesuffix("/v1")
@@ -289,11 +298,13 @@ async def run(args: argparse.Namespace) -> dict:
             r = await client.get(f"{base}/v1/models")
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
+        counts = {c: rung_prompts(args.num_prompts, c) for c in args.concurrency}
+        n_max = max(counts.values())
         if args.dataset_name == "random":
-            prompts = await _random_prompts(client, base, args.num_prompts, args.random_input_len, args.seed)
+            prompts = await _random_prompts(client, base, n_max, args.random_input_len, args.seed)
             max_tokens, ignore_eos = args.random_output_len, args.ignore_eos is not False
         else:
-            prompts = _humaneval_prompts(args.num_prompts, chat)
+            prompts = _humaneval_prompts(n_max, chat)
             max_tokens, ignore_eos = args.humaneval_output_len, bool(args.ignore_eos)
         bodies = [_payload(args, model, p, max_tokens, ignore_eos) for p in prompts]
 
@@ -302,7 +313,7 @@ async def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"warm-up request failed: {warm.error}")
 
         rungs = []
-        bar = tqdm(total=len(bodies) * len(args.concurrency), disable=args.disable_tqdm, unit="req")
+        bar = tqdm(total=sum(counts.values()), disable=args.disable_tqdm, unit="req")
         for c in args.concurrency:
             bar.set_postfix(concurrency=c)
             async def limited(body: dict[str, Any], sem: asyncio.Semaphore) -> RequestResult:
@@ -314,7 +325,7 @@ async def run(args: argparse.Namespace) -> dict:
             before = await _spec_counters(client, base)
             t0 = time.perf_counter()
             sem = asyncio.Semaphore(c)
-            results = await asyncio.gather(*(limited(b, sem) for b in bodies))
+            results = await asyncio.gather(*(limited(b, sem) for b in bodies[:counts[c]]))
             duration = time.perf_counter() - t0
             after = await _spec_counters(client, base)
             rungs.append(_summarize(c, results, duration, _tau(before, after), _step_idle(before, after)))
@@ -336,7 +347,7 @@ def _print_table(result: dict) -> None:
         return "-" if x is None else format(x, spec)
 
     print(f"{'conc':>5} {'status':>6} {'ok/fail':>8} {'out tok/s':>10} {'tot tok/s':>10} "
-          f"{'TTFT ms':>9} {'p99 TTFT':>9} {'TPOT ms':>8} {'ITL ms':>8} {'tau':>5} "
+          f"{'TTFT ms':>9} {'p99 TTFT':>9} {'TPOT ms':>8} {'p99 TPOT':>8} {'ITL ms':>8} {'tau':>5} "
           f"{'idle ms/step':>12} {'idle %':>6}")
     for r in result["rungs"]:
         line = f"{r['concurrency']:>5} {r['status']:>6} {r['ok']:>4}/{r['failed']:<3}"
@@ -344,7 +355,7 @@ def _print_table(result: dict) -> None:
             print(f"{line} {r['error']}")
             continue
         print(f"{line} {f(r['output_throughput']):>10} {f(r['total_token_throughput']):>10} "
-              f"{f(r['mean_ttft_ms']):>9} {f(r['p99_ttft_ms']):>9} {f(r['mean_tpot_ms']):>8} "
+              f"{f(r['mean_ttft_ms']):>9} {f(r['p99_ttft_ms']):>9} {f(r['mean_tpot_ms']):>8} {f(r['p99_tpot_ms']):>8} "
               f"{f(r['mean_itl_ms']):>8} {f(r['tau'], '.2f'):>5} "
               f"{f(r['idle_ms_per_step'], '.2f'):>12} {f(r['idle_pct']):>6}"
               + ("  SYNTHETIC acceptance" if r.get("acceptance") == "synthetic" else ""))

@@ -98,6 +98,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _num_prompts(value: str) -> int | str:
+    if value == "auto":
+        return value
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--num-prompts must be >= 1 or 'auto'")
+    return n
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default=None,
                         help="server root, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
@@ -112,7 +121,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=512)
     parser.add_argument("--humaneval-output-len", type=int, default=512)
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests per rung")
+    parser.add_argument("--num-prompts", type=_num_prompts, default=64,
+                        help="requests per rung, or 'auto': 8 below concurrency 4, 4 x concurrency from 4 on")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32],
                         help="comma-separated concurrency ladder")
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: issue 10's serving ladder. Qwen3-8B shape with random weights
+# and its random DFlash draft (make-random-checkpoint), `dflash-engine serve --max-num-seqs 32
+# --max-model-len 8192`, `dflash-engine bench serve` on the chat endpoint, random 1024 in /
+# 512 out, ignore_eos, temperature 0, c = 1..32 (8 prompts below c=4, 4c above): spec off,
+# then spec on with 15 drafts and synthetic acceptance length 6.5. Results (JSON + PNG per
+# ladder, logs incl. the server's startup memory lines) land in $OUT.
+set -o pipefail
+source bench/device_env.sh
+Q=/tmp/q8; QD=/tmp/q8d; L=/tmp/ladder_logs; mkdir -p $L
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > $L/smi.txt
+[ -f $Q/config.json ] || timeout 150 python3 -m dflash_engine.random_checkpoint --shape qwen3-8b $Q --draft $QD 2>&1 | tail -2
+ladder() {
+    name=$1; shift
+    python3 -m dflash_engine.cli serve $Q --max-num-seqs 32 --max-model-len 8192 --port 8000 "$@" > $L/server_$name.log 2>&1 &
+    pid=$!
+    for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 2; done
+    grep -E "KV pool|memory:|max concurrency|decode step|SYNTHETIC" $L/server_$name.log
+    timeout ${RUNG_TIMEOUT:-240} python3 -m dflash_engine.cli bench serve --port 8000 --backend openai-chat \
+        --dataset-name random --random-input-len 1024 --random-output-len 512 --num-prompts auto \
+        --concurrency ${CONC:-1,2,4,8,16,32} --result-dir $OUT --result-filename ladder_$name.json \
+        --disable-tqdm --label "$name" 2>&1 | tee $L/ladder_$name.log | tail -9
+    kill $pid; wait $pid 2>/dev/null
+}
+ladder spec_off
+ladder spec_on --speculative-config '{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": 15, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'
+tar czf $OUT/logs.tgz -C $L .
