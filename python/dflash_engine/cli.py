@@ -31,7 +31,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .server.cli_args import _json_object, add_batch_invariant_arg, add_bench_args, add_serve_args
+    from .server.cli_args import _spec_config, add_batch_invariant_arg, add_bench_args, add_serve_args
 
     ap = argparse.ArgumentParser(prog="dflash-engine", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--speculative-config", type=_json_object, default=None)
+    g.add_argument("--speculative-config", type=_spec_config, default="auto",
+                   help="JSON object, auto (default) or none; see `serve --help`")
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None)
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")

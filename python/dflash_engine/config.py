@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method",
               "synthetic_acceptance_length", "synthetic_acceptance_rates"}
@@ -29,6 +32,26 @@ def synthetic_rates(k: int, length: float | None, rates: list[float] | None) -> 
     return [(lo + hi) / 2] * k
 
 
+def auto_speculative_config(model: str | None, device: str) -> tuple[dict[str, Any] | None, str]:
+    """What speculative_config="auto" (the default) means, and why: DFlash with the shipped
+    draft when the target is the embedded SmolLM2-135M-Instruct and runs on a GPU; off
+    otherwise. On the CPU the shipped draft (HumanEval τ about 1.9) does not pay for
+    verifying its 16-row blocks (0.4-0.5x of spec-off on 2 cores, docs/perf.md), so it is
+    off there unless asked for with {"method": "dflash"}."""
+    from .model_path import is_default_model
+
+    if not is_default_model(model):
+        return None, "no draft is known for this model (pass --speculative-config with one)"
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not str(device).startswith("cuda"):
+        return None, ("the shipped SmolLM2 draft is slower than plain decoding on the CPU; "
+                      "turn it on with --speculative-config '{\"method\": \"dflash\"}'")
+    return {"method": "dflash"}, "the shipped SmolLM2 draft, on the GPU"
+
+
 @dataclass
 class SpeculativeConfig:
     model: str
@@ -45,9 +68,14 @@ class SpeculativeConfig:
         return self.rejection_sample_method == "synthetic"
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None", target_model: str | None = None
+              ) -> "SpeculativeConfig | None":
+        """A dict / JSON object (vLLM's keys), or "none" (off). Without "model", the draft
+        shipped for the embedded target (only when the target is that model)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
+        if isinstance(value, str) and value.strip().lower() in ("none", "off"):
+            return None
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -62,7 +90,12 @@ class SpeculativeConfig:
         if method != "dflash":
             raise ValueError(f"speculative_config.method {method!r} is not supported (only 'dflash')")
         if not value.get("model"):
-            raise ValueError("speculative_config.model (path to the DFlash draft) is required")
+            from .model_path import is_default_model, shipped_draft_dir
+
+            if not is_default_model(target_model):
+                raise ValueError("speculative_config.model (path to the DFlash draft) is required "
+                                 "(a draft ships only for the embedded default model)")
+            value = {**value, "model": str(shipped_draft_dir())}
         n = value.get("num_speculative_tokens")
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {n!r}")
@@ -90,7 +123,8 @@ class SpeculativeConfig:
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the embedded SmolLM2
-    speculative_config: SpeculativeConfig | None = None
+    # "auto" (default): see auto_speculative_config; None or "none": off; else a dict / JSON.
+    speculative_config: SpeculativeConfig | dict | str | None = "auto"
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 8192)
     max_num_batched_tokens: int | None = None  # default: 2048
@@ -109,7 +143,11 @@ class EngineConfig:
     batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        spec = self.speculative_config
+        if isinstance(spec, str) and spec.strip().lower() == "auto":
+            spec, why = auto_speculative_config(self.model, self.device)
+            logger.info("speculative decoding %s (auto: %s)", "on" if spec else "off", why)
+        self.speculative_config = SpeculativeConfig.parse(spec, self.model)
         if self.batch_invariant is None:
             from .models.layers import batch_invariant_from_env
 

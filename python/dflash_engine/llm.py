@@ -19,7 +19,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        speculative_config: dict | str | None = None,
+        speculative_config: dict | str | None = "auto",
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         num_gpu_blocks_override: int | None = None,
@@ -33,7 +33,10 @@ class LLM:
         enable_prefix_caching: bool = True,
         batch_invariant: bool | None = None,
     ):
-        """batch_invariant=True: exact CPU GEMMs (a row's bits never depend on its batch, so
+        """speculative_config: "auto" (default): DFlash with the shipped draft when `model` is
+        the embedded SmolLM2 on a GPU, else off; None or "none": off; a dict: vLLM's keys
+        ({"method": "dflash"} alone means the shipped draft of the embedded model).
+        batch_invariant=True: exact CPU GEMMs (a row's bits never depend on its batch, so
         spec-on output equals spec-off exactly); False: plain CPU kernels (fast); None: from
         $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT, default False."""
         self.engine = LLMEngine(

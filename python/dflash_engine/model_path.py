@@ -70,9 +70,23 @@ def default_model_dir() -> Path:
     return _convert_cached(default_gguf_path(), DEFAULT_MODEL_NAME)
 
 
+SHIPPED_DRAFT_NAME = "smollm2-135m-instruct-dflash"
+
+
+def is_default_model(model: str | os.PathLike[str] | None) -> bool:
+    """The embedded SmolLM2-135M-Instruct: no model argument, or "default"."""
+    return model is None or str(model) == "default"
+
+
+def shipped_draft_dir() -> Path:
+    """The DFlash draft trained for the embedded model by `dflash-engine train-draft`, shipped
+    inside the package (config.json, model.safetensors, README.md: its model card)."""
+    return Path(__file__).resolve().parent / "drafts" / SHIPPED_DRAFT_NAME
+
+
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     """None/"default" -> the default model; *.gguf -> its cached conversion; dir -> itself."""
-    if model is None or str(model) == "default":
+    if is_default_model(model):
         return default_model_dir()
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":

@@ -8,6 +8,13 @@ import os
 from typing import Any
 
 
+def _spec_config(text: str) -> dict[str, Any] | str:
+    """--speculative-config: a JSON object, or auto / none."""
+    if text.strip().lower() in ("auto", "none", "off"):
+        return text.strip().lower()
+    return _json_object(text)
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -69,9 +76,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         default=True,
                         help="share the KV of cached prompt prefixes (target and DFlash draft); "
                              "on by default, --no-enable-prefix-caching turns it off")
-    parser.add_argument("--speculative-config", type=_json_object, default=None,
-                        help='JSON, e.g. \'{"method": "dflash", "model": DRAFT_DIR, '
-                             '"num_speculative_tokens": 15}\'')
+    parser.add_argument("--speculative-config", type=_spec_config, default="auto",
+                        help='JSON, e.g. \'{"method": "dflash", "model": DRAFT_DIR, "num_speculative_tokens": 15}\'; '
+                             '"none": off; "auto" (default): the shipped DFlash draft for the embedded model '
+                             'on a GPU, else off; \'{"method": "dflash"}\' alone: the shipped draft anywhere')
     parser.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--seed", type=int, default=None)
