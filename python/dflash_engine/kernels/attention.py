@@ -158,7 +158,10 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Integer arguments that vary from step to step (grid sizes, page-table widths) are not
+# specialised (Triton would compile a new variant when one becomes 1 or a multiple of 16: a
+# compile stall of seconds in the middle of serving).
+@triton.jit(do_not_specialize=["num_q_blocks", "max_pages", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
@@ -254,7 +257,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_q_blocks", "num_splits"])
 def _combine_splits_kernel(
     out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr,
     num_q_blocks, num_splits,
