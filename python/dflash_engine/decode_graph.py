@@ -11,7 +11,8 @@ the number of requests. Requests are padded up to the next bucket (1, 2, 4, 8, 1
 
 Host side per step: the plan's arrays are packed into one pinned int64 buffer and one pinned
 float32 buffer, copied to the device in two async copies; the graph unpacks them. The
-results (sampled tokens, then accepted counts) come back in one device-to-host copy.
+results (sampled tokens, then accepted counts) come back in one non-blocking device-to-host
+copy, waited for later (in_flight.py): the host works on the previous step meanwhile.
 
 Padding requests have q_len 0, seq_len 0, page table of null pages and slot -1: attention
 gives them nothing, the KV store skips them, and their rows' garbage never reaches a real
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from . import _core
+from .in_flight import InFlight
 from .kernels import sampling as ksampling
 from .ops.attention import AttentionMetadata
 from .sampler import synthetic_accept
@@ -252,8 +254,10 @@ class DecodeGraphRunner:
         self.graphs[(bs, all_greedy)] = g
 
     @torch.inference_mode()
-    def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(accepted per request, sampled per row) of a pure-decode plan."""
+    def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
+        """Launch a pure-decode plan; the InFlight's `wait` gives (accepted per request,
+        sampled per row). The caller waits before the next `run` (which restages the
+        pinned buffers and reuses `host_out`)."""
         r = len(plan)
         bs = self.bucket(r)
         n = bs * self.b
@@ -273,9 +277,12 @@ class DecodeGraphRunner:
             self.graphs[key].replay()
         self.host_out[:n + bs].copy_(self.out[:n + bs], non_blocking=True)
         timer.end()  # after the last launch (the copy back), before the wait for it
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        out = self.host_out.numpy()
-        sampled = out[:r * self.b].copy()
-        accepted = out[n:n + r].copy() if self.r.draft is not None else np.zeros(r, np.int64)
-        return accepted, sampled
+        spec = self.r.draft is not None
+
+        def unpack() -> tuple[np.ndarray, np.ndarray]:
+            out = self.host_out.numpy()
+            sampled = out[:r * self.b].copy()
+            accepted = out[n:n + r].copy() if spec else np.zeros(r, np.int64)
+            return accepted, sampled
+
+        return InFlight(unpack, self.device)

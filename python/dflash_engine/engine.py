@@ -1,4 +1,11 @@
-"""LLMEngine: schedule (Rust) -> execute (torch) -> commit (Rust) -> outputs.
+"""LLMEngine: schedule (Rust) -> launch (torch) -> wait -> commit (Rust) -> outputs.
+
+The host overlaps the device (issue 10, item 3; `DFLASH_OVERLAP=0` turns it off): a step
+schedules and launches step N+1 from step N's committed state (so drafting never misses
+N's acceptance), then, while the device runs N+1, turns N's committed result into outputs
+(detokenise, stop strings, RequestOutputs, and the async engine's hand-off to streams via
+`output_sink`); then it waits for N+1 and commits it, keeping its result pending. Outputs
+come one step late; a step with nothing to run returns the pending ones at once.
 
 Not thread-safe: one thread drives `step()`; the async engine serialises add/abort.
 """
@@ -7,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +105,12 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._stats = EngineStats(spec_accepted_per_pos=[0] * self.num_speculative_tokens)
         self.fault_injector: FaultInjector | None = None
+        # Process step N's outputs while the device runs step N+1 (module doc).
+        self.overlap = os.environ.get("DFLASH_OVERLAP", "1") != "0"
+        # When set, outputs ready during a step's device time go here at once (from the
+        # stepping thread) rather than into step()'s return value.
+        self.output_sink: Callable[[list[RequestOutput]], None] | None = None
+        self._pending = None  # the latest step's committed result, not yet turned into outputs
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -145,9 +160,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         handle = self.scheduler.handle_of(request_id)
-        if handle is None:
-            return None
-        self.scheduler.abort(handle)
+        if handle is not None:
+            self.scheduler.abort(handle)
+        else:  # finished by the pending step's commit, not reported yet: abort it all the same
+            handle = self._pending_handle(request_id)
+            if handle is None:
+                return None
+        self._absorb_pending(handle)
         return self._finish(handle, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -158,27 +177,68 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()  # from the committed state: the previous step is in it
         if plan is None:
             self.runner.step_timer.pause()  # nothing to run: the wait until the next step is not idle time
-            return []
+            return self._take_outputs()
         try:
-            return self._run(plan)
+            flight = self._launch(plan)
         except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
-            logger.exception("engine step failed; retrying its %d requests one by one", len(plan))
-            self.runner.step_timer.pause()  # a half-timed step: neither busy nor idle
-            self.scheduler.cancel(plan)
-            if len(plan) == 1:
-                return self._fail_alone(int(plan.handles[0]), e)
-            return self._retry_alone([int(h) for h in plan.handles])
+            return self._take_outputs() + self._recover(plan, e)
+        outputs = []
+        if self.overlap:  # the previous step's host work, while the device runs this one
+            try:
+                outputs = self._emit(self._take_outputs())
+            except BaseException:
+                self._abandon(plan, flight)
+                raise
+        try:
+            self._pending = self._land(plan, flight)
+        except Exception as e:  # noqa: BLE001
+            return outputs + self._take_outputs() + self._recover(plan, e)
+        return outputs if self.overlap else self._take_outputs()
 
-    def _run(self, plan) -> list[RequestOutput]:
+    def _launch(self, plan):
         if self.fault_injector is not None:
             self.fault_injector.step([self._requests[int(h)] for h in plan.handles])
-        accepted, sampled = self.runner.execute(plan, *self._sampling_arrays(plan))
+        return self.runner.launch(plan, *self._sampling_arrays(plan))
+
+    def _land(self, plan, flight):
+        """Wait for a launched step and commit it; returns the core's CommitResult."""
+        accepted, sampled = self.runner.wait(flight)
         result = self.scheduler.commit(plan, accepted, sampled)
         self._record_spec(plan, accepted)
-        return self._process(result)
+        return result
+
+    def _abandon(self, plan, flight) -> None:
+        """Host work between launch and wait raised: let the device finish, drop the step."""
+        self.runner.step_timer.pause()
+        try:
+            self.runner.wait(flight)
+        finally:
+            self.scheduler.cancel(plan)
+
+    def _take_outputs(self) -> list[RequestOutput]:
+        result, self._pending = self._pending, None
+        return self._process(result) if result is not None else []
+
+    def _emit(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.output_sink is None or not outputs:
+            return outputs
+        self.output_sink(outputs)
+        return []
+
+    def _recover(self, plan, e: Exception) -> list[RequestOutput]:
+        logger.exception("engine step failed; retrying its %d requests one by one", len(plan))
+        self.runner.step_timer.pause()  # a half-timed step: neither busy nor idle
+        self.scheduler.cancel(plan)
+        if len(plan) == 1:
+            return self._fail_alone(int(plan.handles[0]), e)
+        return self._retry_alone([int(h) for h in plan.handles])
+
+    def _run(self, plan) -> list[RequestOutput]:
+        """One step, synchronously (the failed-step retry): launch, wait, commit, process."""
+        return self._process(self._land(plan, self._launch(plan)))
 
     def _retry_alone(self, handles: list[int]) -> list[RequestOutput]:
         """After a failed step: run each of its requests in a step of its own, so that only
@@ -200,6 +260,8 @@ class LLMEngine:
         return outputs
 
     def _fail_alone(self, handle: int, e: Exception) -> list[RequestOutput]:
+        if handle not in self._requests:
+            return []  # finished while its step ran (a stop string in the previous step's output)
         self.scheduler.finish(handle, "error")
         return [self._finish(handle, "error", f"engine step failed: {e}")]
 
@@ -233,17 +295,22 @@ class LLMEngine:
         s = self._stats
         s.spec_num_drafts += n
         s.spec_num_draft_tokens += int(drafts[spec].sum())
-        acc = accepted[spec]
+        acc = np.asarray(accepted[spec], np.int64)
         s.spec_num_accepted_tokens += int(acc.sum())
-        for pos in range(self.num_speculative_tokens):
-            s.spec_accepted_per_pos[pos] += int((acc > pos).sum())
+        # Drafts at position pos were accepted where acc > pos: a reversed cumulative count.
+        k = self.num_speculative_tokens
+        at_least = np.bincount(acc, minlength=k + 1)[::-1].cumsum()[::-1]
+        for pos, c in enumerate(at_least[1:k + 1].tolist()):
+            s.spec_accepted_per_pos[pos] += c
 
     def _process(self, result) -> list[RequestOutput]:
         outputs = []
         offsets, tokens, codes = result.offsets, result.new_tokens, result.finish_codes
         cached = result.num_cached_tokens
         for i, h in enumerate(result.handles.tolist()):
-            req = self._requests[h]
+            req = self._requests.get(h)
+            if req is None:
+                continue  # aborted while this result was pending (abort_request took its tokens)
             req.num_cached_tokens = int(cached[i])
             new = tokens[offsets[i]:offsets[i + 1]].tolist()
             reason = _core.FINISH_REASONS[codes[i]]
@@ -266,6 +333,32 @@ class LLMEngine:
                 reason = "stop"
             outputs.append(self._finish(h, reason) if reason else req.output())
         return outputs
+
+    def _pending_handle(self, request_id: str) -> int | None:
+        if self._pending is None:
+            return None
+        for h in self._pending.handles.tolist():
+            req = self._requests.get(h)
+            if req is not None and req.request_id == request_id:
+                return h
+        return None
+
+    def _absorb_pending(self, handle: int) -> None:
+        """Give an aborted request its tokens from the pending result (its abort output then
+        carries them); the pending result later skips it."""
+        r = self._pending
+        if r is None:
+            return
+        for i, h in enumerate(r.handles.tolist()):
+            if h == handle:
+                new = r.new_tokens[r.offsets[i]:r.offsets[i + 1]].tolist()
+                if new:
+                    try:
+                        self._requests[h].append(new)
+                    except Exception:  # noqa: BLE001  (it is being aborted anyway)
+                        logger.exception("request %s failed while aborted", self._requests[h].request_id)
+                    self._stats.generation_tokens += len(new)
+                return
 
     def _finish(self, handle: int, reason: str, error: str | None = None) -> RequestOutput:
         out = self._requests.pop(handle).finish(reason, error)

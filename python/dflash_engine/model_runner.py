@@ -25,6 +25,7 @@ from .kv_cache import KVCache, MemoryReport, cpu_pool_pages, size_pool
 from .models import load_draft, load_target
 from .ops.attention import AttentionMetadata
 from .decode_graph import DecodeGraphRunner
+from .in_flight import InFlight
 from .ops.dispatch import use_kernels
 from .sampler import SamplingTensors, accept, sample, synthetic_accept
 from .step_timer import StepTimer
@@ -203,15 +204,22 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
         )
 
-    def execute(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Returns (accepted drafts per plan entry, sampled token per plan sample row).
-        `st`: per sample row, the owning request's sampling parameters (numpy)."""
+    def launch(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
+        """Launch the step's device work (in_flight.py); `wait` gives (accepted drafts per plan
+        entry, sampled token per plan sample row). `st`: per sample row, the owning request's
+        sampling parameters (numpy)."""
         if self.decode_graphs is not None and plan.num_decode == len(plan):
-            out = self.decode_graphs.run(plan, st, all_greedy)
-        else:
-            out = self._execute_eager(plan, st, all_greedy)
+            return self.decode_graphs.run(plan, st, all_greedy)
+        return self._execute_eager(plan, st, all_greedy)
+
+    def wait(self, flight: InFlight) -> tuple[np.ndarray, np.ndarray]:
+        out = flight.wait()
         self.step_timer.resolve()  # the step has waited for its results: its marks are readable
         return out
+
+    def execute(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Launch and wait: (accepted drafts per plan entry, sampled token per sample row)."""
+        return self.wait(self.launch(plan, st, all_greedy))
 
     def _sample(self, logits: torch.Tensor, st: dict[str, np.ndarray], all_greedy: bool) -> torch.Tensor:
         t = SamplingTensors.from_numpy(st, self.device)
@@ -223,7 +231,7 @@ class ModelRunner:
                                all_greedy=all_greedy)
 
     @torch.inference_mode()
-    def _execute_eager(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _execute_eager(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
         self.step_timer.begin()  # the step's first launch follows (busy/idle marks: step_timer.py)
         input_ids = self._t(plan.input_ids)
         draft_tokens = None
@@ -258,9 +266,12 @@ class ModelRunner:
                 seeds = self._t(st["seed"][plan.sample_start[:n_dec]])
                 accepted[:n_dec], sampled[rows] = synthetic_accept(
                     drafts, sampled[rows], seeds, self._t(plan.positions[bonus_rows]), self.synthetic_rates)
-        out = torch.cat([accepted, sampled]).cpu().numpy()  # one device-to-host copy (the last launch)
+        out = torch.cat([accepted, sampled])
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(out, non_blocking=True)  # one device-to-host copy (the last launch)
         self.step_timer.end()
-        return out[:len(plan)], out[len(plan):]
+        r = len(plan)
+        return InFlight(lambda: (host[:r].numpy(), host[r:].numpy()), self.device)
 
 
 class _ProfilePlan(SimpleNamespace):

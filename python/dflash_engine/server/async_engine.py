@@ -3,7 +3,8 @@
     event loop (asyncio)                         engine thread
     --------------------                         -------------
     add_request / abort  --> commands queue -->  applied between steps
-    RequestStream.get()  <-- call_soon_threadsafe <-- step() outputs, per request
+    RequestStream.get()  <-- call_soon_threadsafe <-- step() outputs, per request (mostly
+                                                      via output_sink, during device time)
 
 The engine is only touched from its thread, so the event loop never waits on a step.
 Request ids are the caller's (the server mints a fresh one per HTTP request); an abort
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -84,6 +87,17 @@ class _Abort:
 
 _STOP = object()
 
+# Python's GIL switch interval (default 5 ms) is how long the engine thread, back from waiting
+# on the device, may wait for the GIL while the event loop runs Python (SSE, JSON): the device
+# idles meanwhile. The server shortens it; DFLASH_SWITCH_INTERVAL_MS=0 keeps Python's default.
+_SWITCH_INTERVAL_MS_DEFAULT = 0.5
+
+
+def _shorten_switch_interval() -> None:
+    ms = float(os.environ.get("DFLASH_SWITCH_INTERVAL_MS", _SWITCH_INTERVAL_MS_DEFAULT) or 0)
+    if ms > 0:
+        sys.setswitchinterval(ms / 1000)
+
 
 class AsyncLLMEngine:
     def __init__(self, engine: Any, metrics: Any | None = None) -> None:
@@ -95,6 +109,10 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._last_stats = engine.stats()  # a snapshot already
+        if hasattr(engine, "output_sink"):
+            # Outputs ready mid-step (while the device runs the next step) go to their
+            # streams at once, off the device's critical path (engine.py, module doc).
+            engine.output_sink = self._deliver
 
     # ---- event-loop side ---------------------------------------------------------------
 
@@ -132,6 +150,7 @@ class AsyncLLMEngine:
 
     def start(self) -> None:
         if self._thread is None:
+            _shorten_switch_interval()
             self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
             self._thread.start()
 
@@ -272,6 +291,10 @@ class AsyncLLMEngine:
                 stream.put(RequestFailed(f"engine step failed: {e!r}"))
             self._streams.clear()
             return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams (engine thread)."""
         now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -1,0 +1,255 @@
+"""Host/device overlap (issue 10, item 3): step N's outputs are built while step N+1 runs.
+
+Overlap on and off (`LLMEngine.overlap`, env DFLASH_OVERLAP) give the same tokens, text and
+streamed deltas; outputs come one step late and none is lost; an abort while a request's
+result is pending keeps its tokens; stop strings, per-request and per-step faults behave as
+without overlap; the kernel (decode-graph) path on CPU overlaps too.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import httpx
+import pytest
+import torch
+
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.decode_graph import DecodeGraphRunner
+from dflash_engine.engine import FaultInjector, LLMEngine
+from server_fixtures import MODEL_NAME
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (int(torch.randint(4, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def engine(model: str, draft: str | None = None, overlap: bool = True, **kw) -> LLMEngine:
+    spec = {"method": "dflash", "model": draft} if draft else None
+    e = LLMEngine.from_kwargs(model=model, device="cpu", speculative_config=spec, **kw)
+    e.overlap = overlap
+    return e
+
+
+def drive(e: LLMEngine, ps: list[list[int]], params, sink: bool = False) -> dict[str, list]:
+    """Every output of every request, in order (streamed deltas and the final one)."""
+    seen: dict[str, list] = {}
+    got: list = []
+    if sink:
+        e.output_sink = got.extend
+    for i, p in enumerate(ps):
+        e.add_request(str(i), p, params[i] if isinstance(params, list) else params)
+    while e.has_unfinished_requests():
+        got.extend(e.step())
+    for out in got:
+        seen.setdefault(out.request_id, []).append(out)
+    e.scheduler.check_invariants()
+    assert e.scheduler.kv_usage == 0 and e.scheduler.num_live == 0
+    return seen
+
+
+def summary(seen: dict[str, list]) -> dict[str, tuple]:
+    out = {}
+    for rid, outs in seen.items():
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], "one final output, last"
+        final = outs[-1].outputs[0]
+        deltas = [t for o in outs for t in o.new_token_ids]
+        text = "".join(o.new_text for o in outs)
+        assert deltas == final.token_ids and text == final.text, "the deltas add up to the final output"
+        out[rid] = (final.token_ids, final.text, final.finish_reason)
+    return out
+
+
+@pytest.mark.parametrize("spec", [False, True])
+@pytest.mark.parametrize("n,max_num_seqs", [(1, 1), (5, 2), (8, 8)])
+def test_overlap_gives_the_same_outputs(qwen3_dir, random_draft_dir, spec, n, max_num_seqs):
+    draft = str(random_draft_dir) if spec else None
+    ps = prompts(n, seed=n)
+    params = [GREEDY if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.9, max_tokens=7 + i, seed=i,
+                                                      ignore_eos=True) for i in range(n)]
+    on = drive(engine(str(qwen3_dir), draft, overlap=True, max_num_seqs=max_num_seqs), ps, params)
+    off = drive(engine(str(qwen3_dir), draft, overlap=False, max_num_seqs=max_num_seqs), ps, params)
+    assert summary(on) == summary(off)
+    assert len(on) == n
+
+
+def test_outputs_come_one_step_late_and_the_last_ones_are_flushed(qwen3_dir):
+    e = engine(str(qwen3_dir), max_num_seqs=2)
+    e.add_request("a", prompts(1)[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert e.step() == []  # the prefill's token is pending
+    assert e.has_unfinished_requests()
+    outs = e.step()
+    assert [len(o.new_token_ids) for o in outs] == [1]
+    e.step()  # commits the 3rd token (the core finishes the request): its output is pending
+    assert e.scheduler.num_live == 0 and e.has_unfinished_requests()
+    last = e.step()  # nothing to run: the pending output comes at once
+    assert [o.finished for o in last] == [True] and len(last[0].outputs[0].token_ids) == 3
+    assert not e.has_unfinished_requests() and e.step() == []
+
+
+def test_sink_gets_the_outputs_during_the_step(qwen3_dir, random_draft_dir):
+    ps = prompts(4, seed=9)
+    with_sink = drive(engine(str(qwen3_dir), str(random_draft_dir), max_num_seqs=4), ps, GREEDY, sink=True)
+    off = drive(engine(str(qwen3_dir), str(random_draft_dir), overlap=False, max_num_seqs=4), ps, GREEDY)
+    assert summary(with_sink) == summary(off)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_abort_while_the_result_is_pending_keeps_its_tokens(qwen3_dir, steps):
+    def run(overlap: bool):
+        e = engine(str(qwen3_dir), overlap=overlap, max_num_seqs=2)
+        e.add_request("a", prompts(1)[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        e.add_request("b", prompts(2)[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        streamed = [t for _ in range(steps) for o in e.step() if o.request_id == "a" for t in o.new_token_ids]
+        aborted = e.abort_request("a")
+        rest = []
+        while e.has_unfinished_requests():
+            rest += e.step()
+        assert all(o.request_id == "b" for o in rest), "nothing of 'a' after its abort"
+        assert e.scheduler.kv_usage == 0
+        assert streamed + aborted.new_token_ids == aborted.outputs[0].token_ids
+        return aborted.outputs[0].token_ids, aborted.outputs[0].finish_reason, rest[-1].outputs[0].token_ids
+
+    on, off = run(True), run(False)
+    assert on == off and on[1] == "abort"
+
+
+def test_abort_of_a_request_finished_in_the_pending_step(qwen3_dir):
+    e = engine(str(qwen3_dir))
+    e.add_request("a", prompts(1)[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    e.step()
+    e.step()  # the 2nd token is committed, the core has finished 'a'; its output is pending
+    assert e.scheduler.handle_of("a") is None
+    out = e.abort_request("a")
+    assert out is not None and out.finished and len(out.outputs[0].token_ids) == 2
+    assert not e.has_unfinished_requests() and e.step() == []
+    assert e.abort_request("a") is None
+
+
+def test_stop_string_found_while_the_next_step_runs(qwen3_dir):
+    ps = prompts(3, seed=4)
+    base = drive(engine(str(qwen3_dir), overlap=False, max_num_seqs=3), ps, GREEDY)
+    text = summary(base)["1"][1]
+    assert len(text) > 6
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[text[3:5]]), GREEDY]
+    on = drive(engine(str(qwen3_dir), max_num_seqs=3), ps, params)
+    off = drive(engine(str(qwen3_dir), overlap=False, max_num_seqs=3), ps, params)
+    assert summary(on) == summary(off)
+    assert summary(on)["1"][2] == "stop" and summary(on)["0"] == summary(base)["0"]
+
+
+class Faults(FaultInjector):
+    """Request '1' fails while its output is processed; any step holding request '3' raises."""
+
+    def step(self, requests) -> None:
+        if any(r.request_id == "3" for r in requests):
+            raise RuntimeError("injected step fault")
+
+    def request(self, request) -> None:
+        if request.request_id == "1" and len(request.token_ids) >= 2:
+            raise RuntimeError("injected request fault")
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_faults_fail_only_their_requests(qwen3_dir, random_draft_dir, spec):
+    draft = str(random_draft_dir) if spec else None
+    ps = prompts(5, seed=2)
+
+    def run(overlap: bool):
+        e = engine(str(qwen3_dir), draft, overlap=overlap, max_num_seqs=5)
+        e.fault_injector = Faults()
+        return summary(drive(e, ps, GREEDY))
+
+    on, off = run(True), run(False)
+    assert on == off
+    assert on["1"][2] == "error" and on["3"][2] == "error"
+    clean = summary(drive(engine(str(qwen3_dir), draft, max_num_seqs=5), ps, GREEDY))
+    for rid in "024":
+        assert on[rid] == clean[rid]
+
+
+def test_step_timer_counts_every_step(qwen3_dir, random_draft_dir):
+    e = engine(str(qwen3_dir), str(random_draft_dir), max_num_seqs=4)
+    launches = []
+    real = e.runner.launch
+
+    def counting(*a, **k):
+        launches.append(1)
+        return real(*a, **k)
+
+    e.runner.launch = counting
+    drive(e, prompts(4, seed=1), GREEDY)
+    s = e.stats()
+    assert s.num_steps == len(launches) > 1
+    assert s.step_busy_seconds > 0 and 0 <= s.step_idle_seconds < s.step_busy_seconds + 1.0
+    assert s.generation_tokens == 4 * GREEDY.max_tokens
+
+
+def test_env_switch(qwen3_dir, monkeypatch):
+    monkeypatch.setenv("DFLASH_OVERLAP", "0")
+    assert engine(str(qwen3_dir), overlap=True).overlap is True  # the attribute wins; the env sets the default
+    assert LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu").overlap is False
+    monkeypatch.delenv("DFLASH_OVERLAP")
+    assert LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu").overlap is True
+
+
+def test_kernel_path_on_cpu_overlaps(qwen3_dir, random_draft_dir, monkeypatch):
+    """The decode step (decode_graph.py) under Triton's interpreter: launch, then wait."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter mode is for machines without a GPU")
+    ps = [{"prompt_token_ids": p} for p in prompts(2, seed=6)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    runs = []
+    real_run = DecodeGraphRunner.run
+
+    def counting_run(self, *a, **k):
+        runs.append(1)
+        return real_run(self, *a, **k)
+
+    monkeypatch.setattr(DecodeGraphRunner, "run", counting_run)
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=2,
+              speculative_config={"method": "dflash", "model": str(random_draft_dir)})
+    assert llm.engine.runner.decode_graphs is not None and llm.engine.overlap
+    fast = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    assert runs, "the decode step ran"
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    ref = LLM(model=str(qwen3_dir), device="cpu")
+    ref.engine.overlap = False
+    assert fast == [o.outputs[0].token_ids for o in ref.generate(ps, params, use_tqdm=False)]
+
+
+def test_streamed_server_outputs_match_with_overlap_off(fresh_server):
+    server = fresh_server()
+
+    async def load() -> list[str]:
+        async def one(client: httpx.AsyncClient, i: int) -> str:
+            body = {"model": MODEL_NAME, "prompt": f"overlap {i} " * (i + 1), "max_tokens": 9 + i,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            text = ""
+            async with client.stream("POST", f"{server.base_url}/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(6)))
+
+    assert server.engine.overlap and server.engine.output_sink is not None
+    if "DFLASH_SWITCH_INTERVAL_MS" not in os.environ:
+        assert sys.getswitchinterval() == pytest.approx(0.0005)  # the server's shorter GIL switch interval
+    on = asyncio.run(load())
+    server.wait_idle()
+    server.engine.overlap = False
+    off = asyncio.run(load())
+    assert on == off and all(on)
+    stats = server.wait_idle()
+    assert stats.kv_cache_usage == 0
