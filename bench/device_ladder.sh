@@ -4,24 +4,33 @@
 # --max-model-len 8192`, `dflash-engine bench serve` on the chat endpoint, random 1024 in /
 # 512 out, ignore_eos, temperature 0, c = 1..32 (8 prompts below c=4, 4c above): spec off,
 # then spec on with 15 drafts and synthetic acceptance length 6.5. Results (JSON + PNG per
-# ladder, logs incl. the server's startup memory lines) land in $OUT.
+# ladder, logs incl. the server's startup memory lines) land in $OUT. AB=1 adds c=32 (AB_CONC)
+# rungs with the host/device overlap off and Python's default GIL switch interval (A/B).
 set -o pipefail
 source bench/device_env.sh
 Q=/tmp/q8; QD=/tmp/q8d; L=/tmp/ladder_logs; mkdir -p $L
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > $L/smi.txt
 [ -f $Q/config.json ] || timeout 150 python3 -m dflash_engine.random_checkpoint --shape qwen3-8b $Q --draft $QD 2>&1 | tail -2
+# ladder NAME CONCURRENCIES "ENV=VALUE ..." [serve flags...]
 ladder() {
-    name=$1; shift
-    python3 -m dflash_engine.cli serve $Q --max-num-seqs 32 --max-model-len 8192 --port 8000 "$@" > $L/server_$name.log 2>&1 &
+    name=$1; conc=$2; envs=$3; shift 3
+    env $envs python3 -m dflash_engine.cli serve $Q --max-num-seqs 32 --max-model-len 8192 --port 8000 "$@" \
+        > $L/server_$name.log 2>&1 &
     pid=$!
     for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 2; done
-    grep -E "KV pool|memory:|max concurrency|decode step|SYNTHETIC" $L/server_$name.log
+    echo "== $name ($envs)"; grep -E "KV pool|memory:|max concurrency|decode step|SYNTHETIC|Error" $L/server_$name.log
     timeout ${RUNG_TIMEOUT:-240} python3 -m dflash_engine.cli bench serve --port 8000 --backend openai-chat \
         --dataset-name random --random-input-len 1024 --random-output-len 512 --num-prompts auto \
-        --concurrency ${CONC:-1,2,4,8,16,32} --result-dir $OUT --result-filename ladder_$name.json \
-        --disable-tqdm --label "$name" 2>&1 | tee $L/ladder_$name.log | tail -9
+        --concurrency $conc --result-dir $OUT --result-filename ladder_$name.json \
+        --disable-tqdm --label "$name $envs" 2>&1 | tee $L/ladder_$name.log | tail -7
     kill $pid; wait $pid 2>/dev/null
 }
-ladder spec_off
-ladder spec_on --speculative-config '{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": 15, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'
+SPEC='{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": 15, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'
+ALL=${CONC:-1,2,4,8,16,32}
+ladder spec_off $ALL ""
+ladder spec_on $ALL "" --speculative-config "$SPEC"
+if [ -n "${AB:-}" ]; then   # the same code with the overlap and the GIL switch interval back to before
+    ladder spec_off_sync ${AB_CONC:-32} "DFLASH_OVERLAP=0 DFLASH_SWITCH_INTERVAL_MS=0"
+    ladder spec_on_sync ${AB_CONC:-32} "DFLASH_OVERLAP=0 DFLASH_SWITCH_INTERVAL_MS=0" --speculative-config "$SPEC"
+fi
 tar czf $OUT/logs.tgz -C $L .
