@@ -253,3 +253,19 @@ def test_streamed_server_outputs_match_with_overlap_off(fresh_server):
     assert on == off and all(on)
     stats = server.wait_idle()
     assert stats.kv_cache_usage == 0
+
+
+def test_config_flag_wins_over_the_env(qwen3_dir, monkeypatch):
+    """overlap= (LLM / EngineConfig) and `serve --no-overlap` set it; the env is the default."""
+    import argparse
+
+    from dflash_engine import LLM
+    from dflash_engine.server.cli_args import add_serve_args, engine_kwargs
+
+    monkeypatch.setenv("DFLASH_OVERLAP", "0")
+    assert LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu", overlap=True).overlap is True
+    monkeypatch.delenv("DFLASH_OVERLAP")
+    assert LLM(model=str(qwen3_dir), device="cpu", overlap=False).engine.overlap is False
+    p = add_serve_args(argparse.ArgumentParser())
+    assert engine_kwargs(p.parse_args([str(qwen3_dir), "--no-overlap"]))["overlap"] is False
+    assert "overlap" not in engine_kwargs(p.parse_args([str(qwen3_dir)]))

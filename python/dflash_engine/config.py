@@ -141,6 +141,9 @@ class EngineConfig:
     # CPU GEMMs in the exact mode: a row's bits never depend on its batch, so spec-on equals
     # spec-off exactly (slower at one request). None: $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT.
     batch_invariant: bool | None = None
+    # Build step N's outputs (detokenise, stream hand-off) while the device runs step N+1.
+    # None: on unless $DFLASH_OVERLAP=0.
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         spec = self.speculative_config

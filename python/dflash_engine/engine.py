@@ -106,7 +106,8 @@ class LLMEngine:
         self._stats = EngineStats(spec_accepted_per_pos=[0] * self.num_speculative_tokens)
         self.fault_injector: FaultInjector | None = None
         # Process step N's outputs while the device runs step N+1 (module doc).
-        self.overlap = os.environ.get("DFLASH_OVERLAP", "1") != "0"
+        self.overlap = (config.overlap if config.overlap is not None
+                        else os.environ.get("DFLASH_OVERLAP", "1") != "0")
         # When set, outputs ready during a step's device time go here at once (from the
         # stepping thread) rather than into step()'s return value.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None

@@ -32,6 +32,7 @@ class LLM:
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
         batch_invariant: bool | None = None,
+        overlap: bool | None = None,
     ):
         """speculative_config: "auto" (default): DFlash with the shipped draft when `model` is
         the embedded SmolLM2 on a GPU, else off; None or "none": off; a dict: vLLM's keys
@@ -46,7 +47,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, seed=seed,
                 block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
-                enforce_eager=enforce_eager, batch_invariant=batch_invariant,
+                enforce_eager=enforce_eager, batch_invariant=batch_invariant, overlap=overlap,
             )
         )
         self._ids = itertools.count()

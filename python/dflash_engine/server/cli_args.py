@@ -86,6 +86,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="GPU: run decode steps without CUDA graphs (same tokens, slower)")
     add_batch_invariant_arg(parser)
+    parser.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
+                        help="build each step's outputs after it, not while the GPU runs the next "
+                             "(default: overlapped; also DFLASH_OVERLAP=0)")
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
                         help="larger request bodies get a 413 (default: 4 MiB)")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -95,7 +98,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                  "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
-                 "enforce_eager", "batch_invariant")
+                 "enforce_eager", "batch_invariant", "overlap")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
