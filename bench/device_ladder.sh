@@ -29,6 +29,9 @@ SPEC='{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": 15, "reje
 ALL=${CONC:-1,2,4,8,16,32}
 ladder spec_off $ALL ""
 ladder spec_on $ALL "" --speculative-config "$SPEC"
+if [ -n "${SCHED:-}" ]; then   # the draft-length schedule, e.g. SCHED='[[4, 15], [8, 11], [16, 7], [32, 5]]'
+    ladder spec_on_sched $ALL "" --speculative-config "${SPEC%\}}, \"num_speculative_tokens_schedule\": $SCHED}"
+fi
 if [ -n "${AB:-}" ]; then   # the same code with the overlap and the GIL switch interval back to before
     ladder spec_off_sync ${AB_CONC:-32} "DFLASH_OVERLAP=0 DFLASH_SWITCH_INTERVAL_MS=0"
     ladder spec_on_sync ${AB_CONC:-32} "DFLASH_OVERLAP=0 DFLASH_SWITCH_INTERVAL_MS=0" --speculative-config "$SPEC"

@@ -87,6 +87,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         mask_token_id: int = 0,
         enable_prefix_caching: bool = True,
+        draft_len_schedule: list[tuple[int, int]] = [],
     ) -> None: ...
     def add_request(
         self, request_id: str, prompt_token_ids: _Ints, max_tokens: int, stop_token_ids: _Ints | None = None

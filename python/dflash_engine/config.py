@@ -11,7 +11,32 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method",
-              "synthetic_acceptance_length", "synthetic_acceptance_rates"}
+              "synthetic_acceptance_length", "synthetic_acceptance_rates", "num_speculative_tokens_schedule"}
+
+
+def draft_len_for(schedule: list[tuple[int, int]], k_max: int, num_decoding: int) -> int:
+    """Drafts of a step with `num_decoding` decoding requests under the draft-length
+    schedule: the k of the first (max_decoding, k) with num_decoding <= max_decoding, past
+    the last pair its k, no schedule: k_max. The scheduler decides (rust SchedulerConfig::
+    block_rows_for); this mirror only picks which CUDA graphs to capture at startup."""
+    for max_n, k in schedule:
+        if num_decoding <= max_n:
+            return k
+    return schedule[-1][1] if schedule else k_max
+
+
+def _parse_schedule(value: Any) -> list[tuple[int, int]] | None:
+    if value is None:
+        return None
+    ok = isinstance(value, list) and value and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1
+                                                            for x in p) for p in value)
+    pairs = [(int(a), int(b)) for a, b in value] if ok else []
+    if not ok or any(a >= b for (a, _), (b, _) in zip(pairs, pairs[1:])):
+        raise ValueError("speculative_config.num_speculative_tokens_schedule must be a list of "
+                         "[max_decoding_requests, num_speculative_tokens] pairs of positive integers, "
+                         f"ascending in max_decoding_requests; got {value!r}")
+    return pairs
 
 
 def synthetic_rates(k: int, length: float | None, rates: list[float] | None) -> list[float]:
@@ -62,6 +87,9 @@ class SpeculativeConfig:
     rejection_sample_method: str = "strict"
     synthetic_acceptance_length: float | None = None
     synthetic_acceptance_rates: list[float] | None = None
+    # Shorter draft blocks as the batch grows (verify work is batch x block rows):
+    # [[max_decoding_requests, k], ...]; off (always num_speculative_tokens) unless given.
+    num_speculative_tokens_schedule: list[tuple[int, int]] | None = None
 
     @property
     def synthetic(self) -> bool:
@@ -115,9 +143,13 @@ class SpeculativeConfig:
                 raise ValueError("synthetic_acceptance_rates must be a list of probabilities in [0, 1]")
         elif length is not None or rates is not None:
             raise ValueError("synthetic_acceptance_* keys need rejection_sample_method='synthetic'")
+        schedule = _parse_schedule(value.get("num_speculative_tokens_schedule"))
+        if schedule and n is not None and max(k for _, k in schedule) > n:
+            raise ValueError(f"num_speculative_tokens_schedule {schedule}: every k must be <= "
+                             f"num_speculative_tokens ({n})")
         return cls(model=str(value["model"]), method=method, num_speculative_tokens=n,
                    rejection_sample_method=rsm, synthetic_acceptance_length=length,
-                   synthetic_acceptance_rates=rates)
+                   synthetic_acceptance_rates=rates, num_speculative_tokens_schedule=schedule)
 
 
 @dataclass

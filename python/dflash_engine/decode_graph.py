@@ -74,11 +74,19 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 class DecodeGraphRunner:
     """Owns the static buffers and the captured graphs of the decode step."""
 
-    def __init__(self, runner, max_num_seqs: int, max_model_len: int, enforce_eager: bool):
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
+                 num_speculative_tokens: int | None = None, capture_buckets: list[int] | None = None,
+                 pool=None):
+        """num_speculative_tokens: this runner's draft length (default: the runner's; shorter
+        ones serve the draft-length schedule, one runner per length); capture_buckets: the
+        buckets captured at startup (default: all; others are captured on first use); pool:
+        a graph memory pool to share with other runners."""
         self.r = runner
         self.device = runner.device
-        self.b = runner.num_speculative_tokens + 1
+        k = runner.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        self.b = k + 1
         self.buckets = batch_buckets(max_num_seqs)
+        self.capture_buckets = self.buckets if capture_buckets is None else sorted(capture_buckets)
         self.max_bs = self.buckets[-1]
         self.width = _core.pages_per_seq(max_model_len, runner.num_speculative_tokens, runner.page_size)
         on_gpu = self.device.type == "cuda"
@@ -102,7 +110,7 @@ class DecodeGraphRunner:
         self.out = torch.zeros(n + self.max_bs, dtype=torch.int64, device=dev)
         self.host_out = torch.zeros(n + self.max_bs, dtype=torch.int64, pin_memory=on_gpu)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.pool = pool
         self._warmup_stream = None
         self.capture_seconds = 0.0
         self.graph_bytes = 0
@@ -214,14 +222,14 @@ class DecodeGraphRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         for all_greedy in modes:
-            for bs in reversed(self.buckets):
+            for bs in reversed(self.capture_buckets):
                 self._capture_one(bs, all_greedy)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
         torch.cuda.empty_cache()  # the warm-ups' cached blocks: not graph memory; the pool stays
         self.graph_bytes += max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        logger.info("captured %d decode graphs (buckets %s) in %.1f s, %.0f MiB", len(self.graphs),
-                    self.buckets, self.capture_seconds, self.graph_bytes / 2**20)
+        logger.info("captured %d decode graphs (B = %d, buckets %s) in %.1f s, %.0f MiB", len(self.graphs),
+                    self.b, self.capture_buckets, self.capture_seconds, self.graph_bytes / 2**20)
 
     def _reset_inputs(self) -> None:
         # Capture-time inputs: every request a padding request (writes nothing anywhere).

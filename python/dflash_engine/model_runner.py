@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _core
-from .config import EngineConfig, synthetic_rates
+from .config import EngineConfig, draft_len_for, synthetic_rates
 from .kv_cache import KVCache, MemoryReport, cpu_pool_pages, size_pool
 from .models import load_draft, load_target
 from .ops.attention import AttentionMetadata
@@ -54,6 +54,7 @@ class ModelRunner:
         self.dtype = self.target.model.embed_tokens.weight.dtype
         self.draft = None
         self.num_speculative_tokens = 0
+        self.draft_len_schedule: list[tuple[int, int]] = []  # (max decoding requests, k), ascending
         self.tap_layers: list[int] | None = None
         self.mask_token_id = 0
         spec = cfg.speculative_config
@@ -67,6 +68,10 @@ class ModelRunner:
                     f"num_speculative_tokens ({n}) must be < the draft's block_size ({dcfg.block_size})"
                 )
             self.num_speculative_tokens = n
+            self.draft_len_schedule = list(spec.num_speculative_tokens_schedule or [])
+            if any(k > n for _, k in self.draft_len_schedule):
+                raise ValueError(f"num_speculative_tokens_schedule {self.draft_len_schedule}: every k must be "
+                                 f"<= num_speculative_tokens ({n})")
             self.tap_layers = list(dcfg.target_layer_ids)
             self.mask_token_id = dcfg.mask_token_id
         # Benchmark-only synthetic acceptance (never on by default; labelled wherever it shows).
@@ -88,9 +93,17 @@ class ModelRunner:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(2048, b * cfg.max_num_seqs)
         self.step_timer = StepTimer(self.device)
         # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each.
+        # With a draft-length schedule, one more runner per shorter block (graphs keyed by B).
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.graphs_by_b: dict[int, DecodeGraphRunner] = {}
         if use_kernels(self.target.model.embed_tokens.weight):
-            self.decode_graphs = DecodeGraphRunner(self, cfg.max_num_seqs, max_model_len, cfg.enforce_eager)
+            self.decode_graphs = DecodeGraphRunner(self, cfg.max_num_seqs, max_model_len, cfg.enforce_eager,
+                                                   capture_buckets=self._buckets_for(cfg.max_num_seqs, None))
+            self.graphs_by_b[self.decode_graphs.b] = self.decode_graphs
+            for k in sorted({k for _, k in self.draft_len_schedule} - {self.num_speculative_tokens}, reverse=True):
+                self.graphs_by_b[k + 1] = DecodeGraphRunner(
+                    self, cfg.max_num_seqs, max_model_len, cfg.enforce_eager, num_speculative_tokens=k,
+                    capture_buckets=self._buckets_for(cfg.max_num_seqs, k))
         # Size the pool (profile step on CUDA), refuse one that cannot hold a full-length
         # request, allocate it, then capture the graphs (they bake in the pool's addresses).
         self.memory = self._size_pool(cfg, max_model_len)
@@ -101,8 +114,10 @@ class ModelRunner:
             self.num_pages, self.page_size, self.dtype, self.device,
         )
         if self.decode_graphs is not None:
-            self.decode_graphs.capture()
-            self.memory.graph_bytes = self.decode_graphs.graph_bytes
+            for g in self.graphs_by_b.values():  # the longest block first; one memory pool
+                g.pool = self.decode_graphs.pool
+                g.capture()
+            self.memory.graph_bytes = sum(g.graph_bytes for g in self.graphs_by_b.values())
             if self.memory.graph_bytes > self.memory.graph_reserve_bytes:
                 logger.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them; if the GPU "
                                "runs out of memory, lower --gpu-memory-utilization", self.memory.graph_bytes / 2**20,
@@ -112,6 +127,18 @@ class ModelRunner:
         self.step_timer = StepTimer(self.device)  # afresh: the profile step is no engine step
 
     # ---- memory ----------------------------------------------------------------------------
+    def _buckets_for(self, max_num_seqs: int, k: int | None) -> list[int]:
+        """The batch buckets whose steps draft k tokens under the schedule (k None: the full
+        length); all of them without a schedule. Others are captured on first use."""
+        from .decode_graph import batch_buckets
+
+        buckets = batch_buckets(max_num_seqs)
+        if not self.draft_len_schedule:
+            return buckets
+        k = self.num_speculative_tokens if k is None else k
+        k_of = lambda n: draft_len_for(self.draft_len_schedule, self.num_speculative_tokens, n)  # noqa: E731
+        return sorted({next(b for b in buckets if b >= n) for n in range(1, max_num_seqs + 1) if k_of(n) == k})
+
     def _size_pool(self, cfg: EngineConfig, max_model_len: int) -> MemoryReport:
         """Pages in the pool, null page included, and how they were decided.
         CUDA: profile the largest step, then vLLM's budget (`size_pool`). CPU: a byte budget.
@@ -209,7 +236,7 @@ class ModelRunner:
         entry, sampled token per plan sample row). `st`: per sample row, the owning request's
         sampling parameters (numpy)."""
         if self.decode_graphs is not None and plan.num_decode == len(plan):
-            return self.decode_graphs.run(plan, st, all_greedy)
+            return self.graphs_by_b[plan.block_rows].run(plan, st, all_greedy)
         return self._execute_eager(plan, st, all_greedy)
 
     def wait(self, flight: InFlight) -> tuple[np.ndarray, np.ndarray]:

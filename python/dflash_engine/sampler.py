@@ -110,11 +110,12 @@ def synthetic_accept(drafts: Tensor, sampled: Tensor, seed: Tensor, position: Te
     (request seed, its position) falls below rates[i-1] and every earlier one was accepted.
 
     drafts [n, B-1], sampled [n, B] (the target's t_0..t_{B-1}), seed [n], position [n] (the
-    bonus row's position), rates [B-1] float64 -> (accepted [n], tokens [n, B]) where tokens
+    bonus row's position), rates [>= B-1] float64 -> (accepted [n], tokens [n, B]) where tokens
     puts the accepted drafts d_1..d_a in rows 0..a-1 (the rows the commit appends) followed by
     the target's t_a. The target KV of rows 1..a already holds exactly d_1..d_a (they were its
     inputs), so the committed state stays consistent. Capturable (integer ops, no sync)."""
     n, k = drafts.shape
+    rates = rates[:k]  # a shorter block of the draft-length schedule: its first k positions
     steps = torch.arange(1, k + 1, device=drafts.device)
     u = uniform_from((seed[:, None] ^ _SYNTHETIC_SALT), position[:, None] + steps).to(rates.device)
     accepted = (u < rates[None, :]).long().cumprod(dim=1).sum(dim=1)

@@ -284,7 +284,8 @@ impl PyScheduler {
 impl PyScheduler {
     #[new]
     #[pyo3(signature = (*, num_pages, page_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-                        num_speculative_tokens = 0, mask_token_id = 0, enable_prefix_caching = true))]
+                        num_speculative_tokens = 0, mask_token_id = 0, enable_prefix_caching = true,
+                        draft_len_schedule = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_pages: usize,
@@ -295,6 +296,7 @@ impl PyScheduler {
         num_speculative_tokens: usize,
         mask_token_id: u32,
         enable_prefix_caching: bool,
+        draft_len_schedule: Vec<(usize, usize)>,
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
             num_pages,
@@ -305,6 +307,7 @@ impl PyScheduler {
             num_speculative_tokens,
             mask_token_id,
             enable_prefix_caching,
+            draft_len_schedule,
         };
         Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py)? })
     }

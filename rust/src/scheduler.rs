@@ -52,12 +52,25 @@ pub struct SchedulerConfig {
     pub mask_token_id: u32,
     /// Share cached prefixes at admission and publish computed full pages.
     pub enable_prefix_caching: bool,
+    /// Shorter draft blocks for larger batches: `(max_decoding, k)` pairs, ascending in
+    /// `max_decoding`; a step with n decoding requests drafts the k of the first pair with
+    /// n <= max_decoding (past the last pair: its k). Empty: always `num_speculative_tokens`.
+    /// Every k is in 1..=num_speculative_tokens (the KV reservation is sized for the largest).
+    pub draft_len_schedule: Vec<(usize, usize)>,
 }
 
 impl SchedulerConfig {
-    /// B: rows of a verify block.
+    /// B: rows of the largest verify block (what admission reserves KV for).
     pub fn block_rows(&self) -> usize {
         self.num_speculative_tokens + 1
+    }
+
+    /// B of a step with `num_decoding` decoding requests (the draft-length schedule).
+    pub fn block_rows_for(&self, num_decoding: usize) -> usize {
+        match self.draft_len_schedule.iter().find(|&&(max_n, _)| num_decoding <= max_n) {
+            Some(&(_, k)) => k + 1,
+            None => self.draft_len_schedule.last().map_or(self.block_rows(), |&(_, k)| k + 1),
+        }
     }
 
     fn validate(&self) -> CoreResult<()> {
@@ -73,6 +86,22 @@ impl SchedulerConfig {
         }
         if self.max_model_len == 0 {
             return bad("max_model_len must be >= 1".into());
+        }
+        if !self.draft_len_schedule.is_empty() && self.num_speculative_tokens == 0 {
+            return bad("draft_len_schedule needs speculation (num_speculative_tokens >= 1)".into());
+        }
+        for w in self.draft_len_schedule.windows(2) {
+            if w[0].0 >= w[1].0 {
+                return bad(format!("draft_len_schedule must be ascending in batch size, got {:?}", self.draft_len_schedule));
+            }
+        }
+        if let Some(&(n, k)) =
+            self.draft_len_schedule.iter().find(|&&(_, k)| k == 0 || k > self.num_speculative_tokens)
+        {
+            return bad(format!(
+                "draft_len_schedule entry ({n}, {k}): k must be in 1..={}",
+                self.num_speculative_tokens
+            ));
         }
         if self.max_num_batched_tokens < self.block_rows() {
             return bad(format!(
@@ -131,6 +160,7 @@ pub struct Refused {
 #[derive(Debug)]
 struct Outstanding {
     step_id: u64,
+    block_rows: usize,
     entries: Vec<PlanEntry>,
     num_sample_rows: usize,
 }
@@ -286,7 +316,12 @@ impl Scheduler {
         if let Some(o) = &self.outstanding {
             return Err(CoreError::PlanOutstanding { step_id: o.step_id });
         }
-        let b = self.cfg.block_rows();
+        let num_decoding = self
+            .running
+            .iter()
+            .filter(|&&h| only.is_none_or(|o| o == h) && matches!(self.requests[&h].phase(), Phase::Decoding))
+            .count();
+        let b = self.cfg.block_rows_for(num_decoding);
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut chosen: Vec<(u64, EntryKind)> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted_any = false;
@@ -367,15 +402,18 @@ impl Scheduler {
         self.next_step += 1;
         // Decoding requests first: the draft pass is then a prefix of the target pass.
         chosen.sort_by_key(|(_, k)| matches!(k, EntryKind::Prefill { .. }));
-        let plan = self.build_plan(step_id, &chosen, max_pages);
-        self.outstanding =
-            Some(Outstanding { step_id, entries: plan.entries.clone(), num_sample_rows: plan.num_sample_rows() });
+        let plan = self.build_plan(step_id, &chosen, max_pages, b);
+        self.outstanding = Some(Outstanding {
+            step_id,
+            block_rows: b,
+            entries: plan.entries.clone(),
+            num_sample_rows: plan.num_sample_rows(),
+        });
         Ok(Some((StepTicket::new(self.id, step_id), plan)))
     }
 
     /// Lays out the arrays of the chosen requests.
-    fn build_plan(&self, step_id: u64, chosen: &[(u64, EntryKind)], max_pages: usize) -> StepPlan {
-        let b = self.cfg.block_rows();
+    fn build_plan(&self, step_id: u64, chosen: &[(u64, EntryKind)], max_pages: usize, b: usize) -> StepPlan {
         let mask = self.cfg.mask_token_id as i64;
         let mut plan = StepPlan { step_id, block_rows: b, ..Default::default() };
         let num_decode = chosen.iter().filter(|(_, k)| matches!(k, EntryKind::Decode { .. })).count();
@@ -591,7 +629,7 @@ impl Scheduler {
     /// Checks every invariant in the module doc; returns the first violation.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check_integrity()?;
-        let b = self.cfg.block_rows();
+        let b = self.outstanding.as_ref().map_or(self.cfg.block_rows(), |o| o.block_rows);
         let in_step: Vec<u64> = self.outstanding.iter().flat_map(|o| o.entries.iter().map(|e| e.handle)).collect();
         let ps = self.cfg.page_size;
         let mut owners = vec![0u32; self.pool.num_pages()];

@@ -219,7 +219,11 @@ impl Harness {
             let tokens = &self.model[&e.handle].tokens;
             let read_end = match e.kind {
                 EntryKind::Decode { committed } => {
-                    assert!(r.pages().capacity() >= committed + self.b);
+                    // The step's block: the schedule's for the requests decoding before it.
+                    let decoding = before.values().filter(|(ph, _)| matches!(ph, Phase::Decoding)).count();
+                    assert_eq!(plan.block_rows, self.s.config().block_rows_for(decoding));
+                    assert!(plan.block_rows <= self.b && e.num_samples == plan.block_rows);
+                    assert!(r.pages().capacity() >= committed + plan.block_rows);
                     assert_eq!(before[&e.handle], (Phase::Decoding, committed));
                     committed
                 }
@@ -374,6 +378,10 @@ impl Harness {
 }
 
 fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize, weak_hash: bool) {
+    run_with(ops, num_pages, k, budget, weak_hash, Vec::new())
+}
+
+fn run_with(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize, weak_hash: bool, schedule: Vec<(usize, usize)>) {
     let cfg = SchedulerConfig {
         num_pages,
         page_size: 4,
@@ -383,6 +391,7 @@ fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize, weak_hash: bool)
         num_speculative_tokens: k,
         mask_token_id: 1,
         enable_prefix_caching: true,
+        draft_len_schedule: schedule,
     };
     let s = Scheduler::new(cfg).unwrap();
     if weak_hash {
@@ -467,6 +476,12 @@ proptest! {
     }
 
     #[test]
+    fn draft_len_schedule_under_page_pressure(ops in prop::collection::vec(op(), 1..120), pages in 8usize..40) {
+        // 7 drafts alone, 4 with two or three decoding, 2 with four or more.
+        run_with(ops, pages, 7, 32, false, vec![(1, 7), (3, 4), (5, 2)]);
+    }
+
+    #[test]
     fn colliding_hashes_only_cost_hits(ops in prop::collection::vec(op(), 1..120), pages in 10usize..40) {
         run(ops, pages, 3, 16, true);
     }
@@ -495,6 +510,7 @@ fn shared_prefixes_hit_in_the_harness() {
         num_speculative_tokens: 3,
         mask_token_id: 1,
         enable_prefix_caching: true,
+        draft_len_schedule: Vec::new(),
     };
     let mut h = Harness { s: Scheduler::new(cfg).unwrap(), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, ps: 4 };
     for op in ops {

@@ -10,6 +10,7 @@ fn cfg(num_pages: usize, k: usize) -> SchedulerConfig {
         num_speculative_tokens: k,
         mask_token_id: 999,
         enable_prefix_caching: true,
+        draft_len_schedule: Vec::new(),
     }
 }
 
@@ -509,4 +510,45 @@ fn equal_prefixes_computed_side_by_side_publish_once_and_chain_on() {
     assert_eq!(s.request(a).unwrap().frozen_entries(), s.request(b).unwrap().frozen_entries());
     assert_eq!(s.pool().num_cached(), 3);
     s.check_invariants().unwrap();
+}
+
+#[test]
+fn draft_len_schedule_shortens_the_block_as_the_batch_grows() {
+    let mut c = cfg(64, 7);
+    c.draft_len_schedule = vec![(1, 7), (2, 3)];
+    assert_eq!((c.block_rows_for(0), c.block_rows_for(1), c.block_rows_for(2), c.block_rows_for(9)), (8, 8, 4, 4));
+    let mut s = Scheduler::new(c).unwrap();
+    let a = s.add_request("a", vec![1, 2, 3], 30, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[5]);
+    let (t, p) = step(&mut s); // one decoding request: 7 drafts
+    assert_eq!((p.block_rows, p.num_draft_rows(), p.entries[0].num_drafts()), (8, 8, 7));
+    commit(&mut s, t, &[7], &[6; 8]);
+    assert_eq!(decoding_at(&s, a).1, 3 + 1 + 7);
+    let b = s.add_request("b", vec![4, 5], 30, vec![]).unwrap();
+    let (t, p) = step(&mut s); // a decodes (7 drafts: only one request was decoding), b prefills
+    assert_eq!(p.block_rows, 8);
+    let n = p.num_sample_rows();
+    commit(&mut s, t, &[2, 0], &vec![6; n]);
+    let (t, p) = step(&mut s); // two decoding: 3 drafts each
+    assert_eq!((p.block_rows, p.num_decode, p.entries[1].num_drafts()), (4, 2, 3));
+    // An acceptance past the step's own block is refused, though the largest block allows it.
+    let n = p.num_sample_rows();
+    let refused = s.commit(t, &[4, 0], &vec![6; n]).unwrap_err();
+    let t = refused.ticket;
+    commit(&mut s, t, &[3, 1], &vec![6; n]);
+    assert_eq!(decoding_at(&s, b).1, 2 + 1 + 1);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn draft_len_schedule_is_validated() {
+    for bad in [vec![(4, 3), (2, 1)], vec![(2, 0)], vec![(2, 8)]] {
+        let mut c = cfg(64, 7);
+        c.draft_len_schedule = bad;
+        assert!(Scheduler::new(c).is_err());
+    }
+    let mut c = cfg(64, 0);
+    c.draft_len_schedule = vec![(2, 1)];
+    assert!(Scheduler::new(c).is_err());
 }
