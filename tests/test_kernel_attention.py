@@ -325,3 +325,23 @@ def test_cuda_graph_capture_and_replay():
         assert rel_err(got[0], ref_paged_attention(q[:n], k_cache, v_cache, meta, 0.088)) < 1e-2
         meta = make_meta(slot_mapping, qsl, seq_lens, page_tables, False)
         assert rel_err(got[1], ref_paged_attention(q[:n], k_cache, v_cache, meta, 0.088)) < 1e-2
+
+
+def test_warmup_launches_every_block_size_causal_and_split_variant(monkeypatch):
+    """warmup() (run at GPU start-up) covers each BLOCK_Q that _pick_blocks can choose, x
+    causal / not, x split / not: the variants a serving step can meet."""
+    from dflash_engine.kernels import attention as ka
+
+    seen = set()
+    real = ka.paged_attention
+
+    def spy(q, *a, num_splits=None, **k):
+        causal = a[6]
+        seen.add((ka._pick_blocks(q.shape[0], q.shape[1] // a[0].shape[2], q.shape[2])[0], causal, num_splits > 1))
+        return real(q, *a, num_splits=num_splits, **k)
+
+    monkeypatch.setattr(ka, "paged_attention", spy)
+    n = ka.warmup(8, 2, 32, 16, torch.float32, torch.device("cpu"))
+    block_qs = {ka._pick_blocks(q, 4, 32)[0] for q in range(1, 512)}
+    assert seen == {(b, c, s) for b in block_qs for c in (True, False) for s in (True, False)}
+    assert n == len(seen)

@@ -113,6 +113,8 @@ class ModelRunner:
             self.model_config, self.draft.config if self.draft else None,
             self.num_pages, self.page_size, self.dtype, self.device,
         )
+        if self.device.type == "cuda" and use_kernels(self.kv.target[0][0]):
+            self._warm_up_attention()
         if self.decode_graphs is not None:
             for g in self.graphs_by_b.values():  # the longest block first; one memory pool
                 g.pool = self.decode_graphs.pool
@@ -127,6 +129,21 @@ class ModelRunner:
         self.step_timer = StepTimer(self.device)  # afresh: the profile step is no engine step
 
     # ---- memory ----------------------------------------------------------------------------
+    def _warm_up_attention(self) -> None:
+        """Compile the attention kernels' variants now rather than in a request's step (a
+        prefix-cache hit's short query over a long context, say, first met mid-serving)."""
+        import time
+
+        from .kernels.attention import warmup
+
+        t0, n = time.perf_counter(), 0
+        shapes = {(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+                  for c in [self.model_config] + ([self.draft.config] if self.draft else [])}
+        for heads, kv_heads, head_dim in sorted(shapes):
+            n += warmup(heads, kv_heads, head_dim, self.page_size, self.dtype, self.device)
+        torch.cuda.synchronize(self.device)
+        logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
+
     def _buckets_for(self, max_num_seqs: int, k: int | None) -> list[int]:
         """The batch buckets whose steps draft k tokens under the schedule (k None: the full
         length); all of them without a schedule. Others are captured on first use."""

@@ -427,3 +427,34 @@ def paged_attention(
             num_warps=4,
         )
     return out
+
+
+def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.dtype,
+           device: torch.device) -> int:
+    """Compile every variant of the attention kernels a step can meet (each query-block size
+    `_pick_blocks` can choose, causal and not, with and without split contexts) on tiny
+    inputs, so that no request pays a Triton compile (seconds) in the middle of serving.
+    Returns the number of variants launched. Compiles are cached on disk by Triton, so only
+    a machine's first start pays for them."""
+    group = n_heads // n_kv
+    q_lens, q = [], 1
+    while True:  # one query length per BLOCK_Q that _pick_blocks can return
+        q_lens.append(q)
+        if _pick_blocks(q * 2, group, head_dim)[0] == _pick_blocks(q, group, head_dim)[0]:
+            break
+        q *= 2
+    pages = 4
+    kc = torch.zeros(pages, page_size, n_kv, head_dim, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    table = torch.arange(pages, dtype=torch.int32, device=device)[None]
+    seq_len = pages * page_size
+    n = 0
+    for q_len in q_lens:
+        qt = torch.zeros(q_len, n_heads, head_dim, dtype=dtype, device=device)
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        for causal in (True, False):
+            for splits in (1, 2):
+                paged_attention(qt, kc, vc, qsl, lens, table, 1.0, causal, q_len, num_splits=splits)
+                n += 1
+    return n
