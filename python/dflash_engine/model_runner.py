@@ -114,7 +114,10 @@ class ModelRunner:
             self.num_pages, self.page_size, self.dtype, self.device,
         )
         if self.device.type == "cuda" and use_kernels(self.kv.target[0][0]):
-            self._warm_up_attention()
+            try:
+                self._warm_up_attention()
+            except Exception:  # noqa: BLE001  (an optimisation: serving works without it)
+                logger.exception("attention warm-up failed; kernels compile on first use instead")
         if self.decode_graphs is not None:
             for g in self.graphs_by_b.values():  # the longest block first; one memory pool
                 g.pool = self.decode_graphs.pool
