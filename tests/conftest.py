@@ -59,3 +59,20 @@ def trained(tmp_path_factory):
           f"mask_token_id {report.mask_token_id}, taps {report.target_layer_ids}")
     return SimpleNamespace(root=root, target=target, draft=draft, report=report,
                            config=json.loads((draft / "config.json").read_text()))
+
+
+@pytest.fixture
+def decode_runs(monkeypatch):
+    """Records every call of the decode step (decode_graph.DecodeGraphRunner.run) as
+    (the runner's block rows B, the plan's block_rows)."""
+    from dflash_engine.decode_graph import DecodeGraphRunner
+
+    seen: list[tuple[int, int]] = []
+    real = DecodeGraphRunner.run
+
+    def run(self, plan, *a, **k):
+        seen.append((self.b, plan.block_rows))
+        return real(self, plan, *a, **k)
+
+    monkeypatch.setattr(DecodeGraphRunner, "run", run)
+    return seen

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dflash_engine import LLM, SamplingParams
-from dflash_engine.config import SpeculativeConfig, draft_len_for
-from dflash_engine.decode_graph import DecodeGraphRunner
+from dflash_engine._core import draft_len_for
+from dflash_engine.config import SpeculativeConfig
 from dflash_engine.model_runner import ModelRunner
 
 SCHEDULE = [[1, 3], [2, 2], [4, 1]]  # the random draft's block is 4: up to 3 drafts
@@ -40,7 +40,7 @@ def record_blocks(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
-def test_draft_len_for_mirrors_the_rule():
+def test_draft_len_for_is_the_cores_rule():
     s = [(1, 3), (2, 2), (4, 1)]
     assert [draft_len_for(s, 3, n) for n in (1, 2, 3, 4, 9)] == [3, 2, 1, 1, 1]
     assert draft_len_for([], 5, 7) == 5
@@ -85,19 +85,12 @@ def test_synthetic_acceptance_scales_with_the_shorter_block(qwen3_dir, random_dr
     assert st.mean_acceptance_length == pytest.approx(2.0)
 
 
-def test_decode_graph_path_keeps_one_runner_per_block(qwen3_dir, random_draft_dir, monkeypatch):
+def test_decode_graph_path_keeps_one_runner_per_block(qwen3_dir, random_draft_dir, decode_runs, monkeypatch):
     """The kernel decode step under Triton's interpreter: a runner per block length, each
     used for the steps of its length, the same tokens as the reference path."""
     if torch.cuda.is_available():
         pytest.skip("the interpreter mode is for machines without a GPU")
-    used = []
-    real_run = DecodeGraphRunner.run
-
-    def run(self, plan, *a, **k):
-        used.append((self.b, plan.block_rows))
-        return real_run(self, plan, *a, **k)
-
-    monkeypatch.setattr(DecodeGraphRunner, "run", run)
+    used = decode_runs
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
     params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(3)]
     ps = prompts(3)

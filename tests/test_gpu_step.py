@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_engine import LLM, SamplingParams
-from dflash_engine.decode_graph import DecodeGraphRunner, batch_buckets
+from dflash_engine.decode_graph import batch_buckets
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 CUDA = torch.cuda.is_available()
@@ -44,24 +44,20 @@ def kernels_on_cpu(monkeypatch):
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
 
 
-def test_kernel_step_on_cpu_matches_the_reference(qwen3_dir, random_draft_dir, kernels_on_cpu, monkeypatch):
-    """Spec on, 3 requests (bucket 4: one padding request), through the decode step."""
-    ps = prompts(3)
-    runs = []
-    real_run = DecodeGraphRunner.run
-
-    def counting_run(self, *a, **k):
-        runs.append(1)
-        return real_run(self, *a, **k)
-
-    monkeypatch.setattr(DecodeGraphRunner, "run", counting_run)
+@pytest.mark.parametrize("n", [2, 3])
+def test_kernel_step_on_cpu_matches_the_reference(qwen3_dir, random_draft_dir, kernels_on_cpu, decode_runs,
+                                                  monkeypatch, n):
+    """Spec on, through the decode step with the host/device overlap on (the default): 3
+    requests (bucket 4: one padding request) and 2; the same tokens as the reference path
+    with the overlap off."""
+    ps = prompts(n)
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, speculative_config=spec(random_draft_dir))
-    assert llm.engine.runner.decode_graphs is not None
+    assert llm.engine.runner.decode_graphs is not None and llm.engine.overlap
     fast = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
-    assert runs, "the decode step ran"
+    assert decode_runs, "the decode step ran"
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
-    ref = tokens(LLM(model=str(qwen3_dir), device="cpu").generate(ps, GREEDY, use_tqdm=False))
-    assert fast == ref
+    ref = LLM(model=str(qwen3_dir), device="cpu", overlap=False)
+    assert fast == tokens(ref.generate(ps, GREEDY, use_tqdm=False))
 
 
 def test_kernel_step_on_cpu_spec_off_with_sampling(qwen3_dir, kernels_on_cpu, monkeypatch):

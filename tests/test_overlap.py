@@ -3,7 +3,7 @@
 Overlap on and off (`LLMEngine.overlap`, env DFLASH_OVERLAP) give the same tokens, text and
 streamed deltas; outputs come one step late and none is lost; an abort while a request's
 result is pending keeps its tokens; stop strings, per-request and per-step faults behave as
-without overlap; the kernel (decode-graph) path on CPU overlaps too.
+without overlap. The kernel (decode-graph) path with the overlap: tests/test_gpu_step.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from dflash_engine import LLM, SamplingParams
-from dflash_engine.decode_graph import DecodeGraphRunner
 from dflash_engine.engine import FaultInjector, LLMEngine
 from server_fixtures import MODEL_NAME
 
@@ -197,32 +196,6 @@ def test_env_switch(qwen3_dir, monkeypatch):
     assert LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu").overlap is False
     monkeypatch.delenv("DFLASH_OVERLAP")
     assert LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu").overlap is True
-
-
-def test_kernel_path_on_cpu_overlaps(qwen3_dir, random_draft_dir, monkeypatch):
-    """The decode step (decode_graph.py) under Triton's interpreter: launch, then wait."""
-    if torch.cuda.is_available():
-        pytest.skip("the interpreter mode is for machines without a GPU")
-    ps = [{"prompt_token_ids": p} for p in prompts(2, seed=6)]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    runs = []
-    real_run = DecodeGraphRunner.run
-
-    def counting_run(self, *a, **k):
-        runs.append(1)
-        return real_run(self, *a, **k)
-
-    monkeypatch.setattr(DecodeGraphRunner, "run", counting_run)
-    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
-    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=2,
-              speculative_config={"method": "dflash", "model": str(random_draft_dir)})
-    assert llm.engine.runner.decode_graphs is not None and llm.engine.overlap
-    fast = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
-    assert runs, "the decode step ran"
-    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
-    ref = LLM(model=str(qwen3_dir), device="cpu")
-    ref.engine.overlap = False
-    assert fast == [o.outputs[0].token_ids for o in ref.generate(ps, params, use_tqdm=False)]
 
 
 def test_streamed_server_outputs_match_with_overlap_off(fresh_server):

@@ -14,17 +14,6 @@ _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_met
               "synthetic_acceptance_length", "synthetic_acceptance_rates", "num_speculative_tokens_schedule"}
 
 
-def draft_len_for(schedule: list[tuple[int, int]], k_max: int, num_decoding: int) -> int:
-    """Drafts of a step with `num_decoding` decoding requests under the draft-length
-    schedule: the k of the first (max_decoding, k) with num_decoding <= max_decoding, past
-    the last pair its k, no schedule: k_max. The scheduler decides (rust SchedulerConfig::
-    block_rows_for); this mirror only picks which CUDA graphs to capture at startup."""
-    for max_n, k in schedule:
-        if num_decoding <= max_n:
-            return k
-    return schedule[-1][1] if schedule else k_max
-
-
 def _parse_schedule(value: Any) -> list[tuple[int, int]] | None:
     if value is None:
         return None

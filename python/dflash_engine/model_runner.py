@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _core
-from .config import EngineConfig, draft_len_for, synthetic_rates
+from .config import EngineConfig, synthetic_rates
 from .kv_cache import KVCache, MemoryReport, cpu_pool_pages, size_pool
 from .models import load_draft, load_target
 from .ops.attention import AttentionMetadata
@@ -156,7 +156,7 @@ class ModelRunner:
         if not self.draft_len_schedule:
             return buckets
         k = self.num_speculative_tokens if k is None else k
-        k_of = lambda n: draft_len_for(self.draft_len_schedule, self.num_speculative_tokens, n)  # noqa: E731
+        k_of = lambda n: _core.draft_len_for(self.draft_len_schedule, self.num_speculative_tokens, n)  # noqa: E731
         return sorted({next(b for b in buckets if b >= n) for n in range(1, max_num_seqs + 1) if k_of(n) == k})
 
     def _size_pool(self, cfg: EngineConfig, max_model_len: int) -> MemoryReport:

@@ -20,4 +20,4 @@ pub use error::{CoreError, CoreResult, Param};
 pub use page_pool::{PageId, PageList, PagePool, NULL_PAGE};
 pub use plan::{EntryKind, PassArrays, PlanEntry, StepPlan, StepTicket};
 pub use request::{Applied, FinishReason, Phase, Request};
-pub use scheduler::{pages_per_seq, CommitBatch, Refused, Scheduler, SchedulerConfig};
+pub use scheduler::{draft_len_for, pages_per_seq, CommitBatch, Refused, Scheduler, SchedulerConfig};

@@ -11,7 +11,7 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 use crate::error::{CoreError, Param};
 use crate::plan::{StepPlan, StepTicket};
 use crate::request::FinishReason;
-use crate::scheduler::{pages_per_seq, Scheduler, SchedulerConfig};
+use crate::scheduler::{draft_len_for, pages_per_seq, Scheduler, SchedulerConfig};
 
 mod exc {
     use pyo3::create_exception;
@@ -483,6 +483,14 @@ impl PyScheduler {
     }
 }
 
+/// Drafts of a step with `num_decoding` decoding requests under `schedule` (the scheduler's
+/// own rule; see `SchedulerConfig::block_rows_for`).
+#[pyfunction]
+#[pyo3(name = "draft_len_for")]
+fn py_draft_len_for(schedule: Vec<(usize, usize)>, k_max: usize, num_decoding: usize) -> usize {
+    draft_len_for(&schedule, k_max, num_decoding)
+}
+
 /// Pages one request of `max_model_len` tokens holds at most (the core's admission bound).
 #[pyfunction]
 #[pyo3(name = "pages_per_seq")]
@@ -510,5 +518,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NULL_PAGE", crate::page_pool::NULL_PAGE)?;
     m.add("FINISH_REASONS", FinishReason::NAMES.to_vec())?;
     m.add_function(wrap_pyfunction!(py_pages_per_seq, m)?)?;
+    m.add_function(wrap_pyfunction!(py_draft_len_for, m)?)?;
     Ok(())
 }

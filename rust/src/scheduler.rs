@@ -29,6 +29,17 @@ use crate::page_pool::{PagePool, NULL_PAGE};
 use crate::plan::{EntryKind, PlanEntry, StepPlan, StepTicket};
 use crate::request::{FinishReason, Phase, Request};
 
+/// Drafts of a step with `num_decoding` decoding requests under a draft-length schedule of
+/// `(max_decoding, k)` pairs (ascending): the k of the first pair with num_decoding <=
+/// max_decoding, past the last pair its k; no schedule: `k_max`. The one place this rule is
+/// written (exported to Python, which captures CUDA graphs per block length by it).
+pub fn draft_len_for(schedule: &[(usize, usize)], k_max: usize, num_decoding: usize) -> usize {
+    match schedule.iter().find(|&&(max_n, _)| num_decoding <= max_n) {
+        Some(&(_, k)) => k,
+        None => schedule.last().map_or(k_max, |&(_, k)| k),
+    }
+}
+
 /// Pages one request of `max_len` tokens holds at most: its last verify block reaches
 /// `block_rows` slots past its last token. The one place this bound is computed (admission
 /// checks it; the runner sizes pools with it through the Python binding).
@@ -67,10 +78,7 @@ impl SchedulerConfig {
 
     /// B of a step with `num_decoding` decoding requests (the draft-length schedule).
     pub fn block_rows_for(&self, num_decoding: usize) -> usize {
-        match self.draft_len_schedule.iter().find(|&&(max_n, _)| num_decoding <= max_n) {
-            Some(&(_, k)) => k + 1,
-            None => self.draft_len_schedule.last().map_or(self.block_rows(), |&(_, k)| k + 1),
-        }
+        draft_len_for(&self.draft_len_schedule, self.num_speculative_tokens, num_decoding) + 1
     }
 
     fn validate(&self) -> CoreResult<()> {
