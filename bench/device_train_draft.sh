@@ -5,21 +5,25 @@
 # of the call's time. Everything comes back in $OUT (at most 8 files of <16 MiB): the
 # safetensors split in parts (join: cat model.safetensors.part-* > model.safetensors), the
 # gzipped data, and meta.tgz (config, model card, report, logs, eval).
-#   Knobs: SAMPLES (8192), CALL_BUDGET (seconds for the whole script, 540), TRAIN_ARGS.
+#   Knobs: SAMPLES (8192), CALL_BUDGET (seconds for the whole script, 540), DATA_ARGS (e.g.
+#   "--seed 1 --code-fraction 0.6 --gen-batch 512 --data-time-budget 170"), EXTRA (data files of
+#   earlier runs to train on as well, e.g. docs/... data.jsonl.gz), TRAIN_ARGS.
 set -o pipefail
 T0=$(date +%s)
 source bench/device_env.sh
 D=/tmp/dev/draft; L=/tmp/logs; mkdir -p $L
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > $L/smi.txt
-COMMON="--out $D --samples ${SAMPLES:-8192} --gen-batch 256 --max-len 512 --response-tokens 384 --no-progress"
-timeout 240 python3 -m dflash_engine.cli train-draft $COMMON --data-only 2>&1 | tee $L/data.log | grep -v Processed
-LEFT=$(( ${CALL_BUDGET:-540} - ($(date +%s) - T0) - 75 ))   # 75 s for the eval and packing
+COMMON="--out $D --samples ${SAMPLES:-8192} --gen-batch 256 --max-len 512 --response-tokens 384 --no-progress ${DATA_ARGS:-}"
+timeout ${DATA_TIMEOUT:-240} python3 -m dflash_engine.cli train-draft $COMMON --data-only 2>&1 | tee $L/data.log | grep -v Processed
+QUICK_EVAL=${QUICK_EVAL:-1}   # 0: no quick HumanEval c=32 check (a later call evaluates)
+LEFT=$(( ${CALL_BUDGET:-540} - ($(date +%s) - T0) - (QUICK_EVAL ? 75 : 20) ))   # the eval and packing
 echo "training budget: ${LEFT}s"
 timeout $(( LEFT + 60 )) python3 -m dflash_engine.cli train-draft $COMMON --steps 30000 --batch-size 16 \
-    --anchors 32 --eval-every 500 --save-every 0 --taps-cache-gib 48 --time-budget $LEFT ${TRAIN_ARGS:-} \
+    --anchors 32 --eval-every 500 --save-every 0 --taps-cache-gib 100 --time-budget $LEFT ${TRAIN_ARGS:-} \
+    ${EXTRA:+--extra-data $EXTRA} \
     2>&1 | tee $L/train.log
-timeout 70 python3 bench/eval_draft.py --draft $D --sets humaneval --concurrency 32 --max-tokens 256 \
-    --json $L/eval_c32.json 2>&1 | tee $L/eval.log | tail -4
+[ "$QUICK_EVAL" = 1 ] && timeout 70 python3 bench/eval_draft.py --draft $D --sets humaneval --concurrency 32 \
+    --max-tokens 256 --json $L/eval_c32.json 2>&1 | tee $L/eval.log | tail -4
 cp $D/config.json $D/README.md $D/train_report.json $L/ 2>/dev/null
 tar czf $OUT/meta.tgz -C $L .
 gzip -c $D/data/samples-*.jsonl > $OUT/data.jsonl.gz

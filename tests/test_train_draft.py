@@ -72,6 +72,65 @@ def test_stdlib_code_prompts_are_deterministic_and_from_the_stdlib():
     assert not any("HumanEval" in p for p in a)
 
 
+def test_stdlib_code_prompts_reuse_functions_under_other_templates_and_their_code_parses():
+    """More requests than public functions: every function appears under several templates;
+    the HumanEval-like ones keep the docstring's lines; a code block with the function's first
+    statements is valid Python (the head is dedented correctly)."""
+    import ast
+    import re
+
+    from dflash_engine.train_draft import _CODE_TEMPLATES
+
+    n_funcs = 60
+    prompts = stdlib_code_prompts(3 * n_funcs, seed=1)
+    assert len(prompts) == len(set(prompts)) == 3 * n_funcs
+    kinds = {t.split("\n")[0].split("{")[0] for t, _ in _CODE_TEMPLATES}
+    assert sum(any(p.startswith(k) for p in prompts) for k in kinds) >= 6  # the templates are mixed
+    with_head = [p for p in prompts if p.startswith(("Finish this function", "Explain what this"))]
+    assert with_head
+    for p in with_head:
+        code = re.search(r"```python\n(.*)\n```", p, re.S).group(1)
+        tree = ast.parse(code)  # raises on a mis-indented head
+        fn = tree.body[0]
+        assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and len(fn.body) >= 2
+    humaneval_like = [p for p in prompts if p.startswith("Complete the following Python function.")]
+    assert humaneval_like and all('"""' in p for p in humaneval_like)
+
+
+def test_build_dataset_stops_at_its_deadline(tmp_path, qwen3_dir):
+    """A deadline already past: the first chunk (8 x gen_batch prompts) is answered, no more,
+    and the cache holds those samples."""
+    import time
+
+    from dflash_engine.train_draft import DataConfig, build_dataset
+
+    cfg = DataConfig(samples=24, max_len=96, response_tokens=12, gen_batch=1, code_fraction=1.0)
+    samples, info = build_dataset(qwen3_dir, tmp_path, cfg, block_size=BLOCK, device="cpu",
+                                  deadline=time.monotonic(), log=lambda *_: None)
+    assert 0 < len(samples) <= 8 and info["cached"] is False
+    again, info2 = build_dataset(qwen3_dir, tmp_path, cfg, block_size=BLOCK, device="cpu", log=lambda *_: None)
+    assert info2["cached"] is True and again == samples
+
+
+def test_extra_data_files_join_the_training_data(run):
+    """--extra-data adds an earlier run's samples (plain or gzipped JSONL); the held-out slice
+    draws from all of them, and the data key changes (a checkpoint never resumes on other data)."""
+    import gzip
+
+    src = Path(run.report["data"]["path"])
+    gz = run.root / "extra.jsonl.gz"
+    gz.write_bytes(gzip.compress(src.read_bytes()))
+    out = run.root / "with_extra"
+    with _one_thread():
+        assert cli_main(_args(run.target, out, "--steps", "2", "--data-dir", str(src.parent),
+                              "--extra-data", str(gz))) == 0
+    rep = json.loads((out / "train_report.json").read_text())
+    n = len(src.read_text().splitlines())
+    assert rep["data"]["extra"]["samples"] == n
+    assert rep["result"]["num_train"] + rep["result"]["num_held_out"] == 2 * n
+    assert rep["data"]["key"] != run.report["data"]["key"]
+
+
 def test_mask_token_candidates_are_unused_specials(qwen3_dir):
     tok = Tokenizer.from_dir(qwen3_dir)
     cands = mask_token_candidates(tok)

@@ -48,6 +48,7 @@ import os
 import random
 import sys
 import sysconfig
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-DATA_VERSION = 1  # bump when the data recipe changes (invalidates cached data)
+DATA_VERSION = 2  # bump when the data recipe changes (invalidates cached data)
 _SENTINEL = "\u2063SENTINEL\u2063"
 
 
@@ -88,10 +89,26 @@ def _docstring_summary(doc: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 3].rsplit(" ", 1)[0] + "..."
 
 
-def stdlib_functions(limit: int, seed: int, max_doc_chars: int = 300) -> list[dict[str, str]]:
-    """Public functions with a docstring from Python's standard-library sources (ast, no
-    import): {"module", "name", "signature", "doc"}. Files are visited in a seeded order
-    until `limit` functions are found; test suites and tooling packages are skipped."""
+def _docstring_block(doc: str, max_chars: int) -> str:
+    """The docstring with its line structure (examples, parameter lists), cut at a paragraph
+    boundary to at most `max_chars` (the first paragraph alone when it is longer)."""
+    out: list[str] = []
+    for para in (p.strip("\n") for p in doc.strip().split("\n\n")):
+        if out and sum(len(p) + 2 for p in out) + len(para) > max_chars:
+            break
+        out.append(para)
+    text = "\n\n".join(out)
+    return text if len(text) <= max_chars else _docstring_summary(text, max_chars)
+
+
+def stdlib_functions(limit: int, seed: int, max_doc_chars: int = 300, private: bool = False,
+                     full_doc_chars: int = 700) -> list[dict[str, str]]:
+    """Functions with a docstring from Python's standard-library sources (ast, no import):
+    {"module", "name", "signature", "doc" (first paragraph, one line), "doc_block" (the
+    docstring's leading paragraphs with their lines), "head" (the first body statements after
+    the docstring, source text)}. Public ones only unless `private`. Files are visited in a
+    seeded order until `limit` functions are found; test suites and tooling packages are
+    skipped."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip",
             "turtledemo", "tkinter", "__pycache__", "config-3"}
@@ -101,38 +118,68 @@ def stdlib_functions(limit: int, seed: int, max_doc_chars: int = 300) -> list[di
     out: list[dict[str, str]] = []
     for path in files:
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
         module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.name.startswith("__") or (node.name.startswith("_") and not private):
                 continue
             doc = ast.get_docstring(node)
             if not doc or len(doc) < 20:
                 continue
             args = ast.unparse(node.args)
             ret = f" -> {ast.unparse(node.returns)}" if node.returns is not None else ""
+            head = _body_head(source, node.body[1:3])  # after the docstring
             out.append({"module": module, "name": node.name, "signature": f"def {node.name}({args}){ret}:",
-                        "doc": _docstring_summary(doc, max_doc_chars)})
+                        "doc": _docstring_summary(doc, max_doc_chars),
+                        "doc_block": _docstring_block(doc, full_doc_chars), "head": head})
         if len(out) >= limit:
             break
     return out
 
 
+def _body_head(source: str, stmts: list, max_lines: int = 8) -> str:
+    """The source of `stmts` dedented to column 0, at most `max_lines` lines ("" if longer)."""
+    parts = []
+    for st in stmts:
+        seg = ast.get_source_segment(source, st)
+        if seg is None:
+            return ""
+        parts.append(textwrap.dedent(" " * st.col_offset + seg))
+    text = "\n".join(parts)
+    return text if text.count("\n") < max_lines else ""
+
+
+def _indent(text: str, pad: str = "    ") -> str:
+    return "\n".join(pad + line if line.strip() else "" for line in text.splitlines())
+
+
+# Code requests: each is (template, needs a body head). "{docstring}" is the indented
+# triple-quoted docstring block (lines kept); "{head}" the function's first real statements.
 _CODE_TEMPLATES = [
-    "Write a Python function `{sig}` that does the following: {doc}",
-    "Complete this Python function:\n\n```python\n{sig}\n    \"\"\"{doc}\"\"\"\n```",
-    "Implement the function below in Python, with a short explanation.\n\n```python\n{sig}\n```\n\n{doc}",
-    "In Python's `{module}` style, write `{name}`. {doc}",
+    ("Write a Python function `{sig}` that does the following: {doc}", False),
+    ("Complete this Python function:\n\n```python\n{sig}\n    \"\"\"{doc}\"\"\"\n```", False),
+    ("Implement the function below in Python, with a short explanation.\n\n```python\n{sig}\n```\n\n{doc}", False),
+    ("In Python's `{module}` style, write `{name}`. {doc}", False),
+    ("Complete the following Python function.\n\n```python\n{sig}\n{docstring}\n```", False),
+    ("Complete the following Python function.\n\n```python\nimport {module}\n\n\n{sig}\n{docstring}\n```", False),
+    ("Finish this function from Python's `{module}` module.\n\n```python\n{sig}\n{docstring}\n{head}\n```", True),
+    ("Explain what this Python function does, then write a test for it.\n\n```python\n{sig}\n{docstring}\n{head}\n```",
+     True),
 ]
 
 
 def stdlib_code_prompts(n: int, seed: int) -> list[str]:
-    """`n` code requests built from stdlib signatures + docstrings (distinct functions)."""
+    """`n` distinct code requests built from stdlib signatures and docstrings: every function
+    (public first, then private) under a seeded template, then again under other templates,
+    until `n` are made or the (function, template) pairs run out."""
     if n <= 0:
         return []
-    funcs = stdlib_functions(limit=max(4 * n, 200), seed=seed)
+    funcs = stdlib_functions(limit=max(n, 200), seed=seed, private=True)
     seen, uniq = set(), []
     for f in funcs:
         if (f["name"], f["doc"]) not in seen:
@@ -140,7 +187,21 @@ def stdlib_code_prompts(n: int, seed: int) -> list[str]:
             uniq.append(f)
     rng = random.Random(seed + 1)
     rng.shuffle(uniq)
-    return [rng.choice(_CODE_TEMPLATES).format(**f, sig=f["signature"]) for f in uniq[:n]]
+    uniq.sort(key=lambda f: f["name"].startswith("_"))  # public ones first (stable: the shuffle stays)
+    out: list[str] = []
+    for rnd in range(len(_CODE_TEMPLATES)):
+        for f in uniq:
+            order = random.Random(f"{seed}:{f['module']}:{f['name']}").sample(range(len(_CODE_TEMPLATES)),
+                                                                               len(_CODE_TEMPLATES))
+            text, needs_head = _CODE_TEMPLATES[order[rnd]]
+            if needs_head and not f["head"].strip():
+                continue
+            docstring = _indent(f'"""{f["doc_block"]}\n"""')
+            fields = {**f, "sig": f["signature"], "docstring": docstring, "head": _indent(f["head"])}
+            out.append(text.format(**fields))
+            if len(out) == n:
+                return out
+    return out
 
 
 def user_turn_prefix(tokenizer) -> tuple[str, list[int]]:
@@ -223,9 +284,12 @@ class DataConfig:
 
 
 def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, block_size: int,
-                  device: str = "auto", log=print) -> tuple[list[Sample], dict[str, Any]]:
+                  device: str = "auto", deadline: float | None = None, log=print
+                  ) -> tuple[list[Sample], dict[str, Any]]:
     """The training samples for `target`, generated once and cached in `data_dir` (a JSONL
-    file named by a key of the target's fingerprint and `cfg`). Returns (samples, info)."""
+    file named by a key of the target's fingerprint and `cfg`). Returns (samples, info).
+    deadline (time.monotonic()): no new chunk of prompts is started after it; the cache then
+    holds the samples answered so far (fewer than cfg.samples)."""
     from .llm import LLM
 
     target, data_dir = Path(target), Path(data_dir)
@@ -262,9 +326,20 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
                              max_tokens=min(cfg.response_tokens, cfg.max_len - len(ids)))
               for i, ids in enumerate(convs)]
     log(f"data: the target answers {len(convs)} prompts (at most {cfg.response_tokens} tokens each)")
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in convs], params, use_tqdm=True)
-    samples = [Sample(list(o.prompt_token_ids), list(o.outputs[0].token_ids), s)
-               for o, s in zip(outs, sources) if len(o.outputs[0].token_ids) > block_size]
+    # in chunks, so that a deadline ends the data with what is answered (a shorter dataset)
+    chunk = max(len(convs) if deadline is None else 8 * cfg.gen_batch, 1)
+    order = list(range(len(convs)))
+    random.Random(cfg.seed + 3).shuffle(order)  # every chunk mixes the prompt sources
+    samples = []
+    for start in range(0, len(order), chunk):
+        if deadline is not None and start and time.monotonic() > deadline:
+            log(f"data: deadline reached, {start} of {len(convs)} prompts answered")
+            break
+        rows = order[start: start + chunk]
+        outs = llm.generate([{"prompt_token_ids": convs[i]} for i in rows], [params[i] for i in rows],
+                            use_tqdm=True)
+        samples += [Sample(list(o.prompt_token_ids), list(o.outputs[0].token_ids), sources[i])
+                    for o, i in zip(outs, rows) if len(o.outputs[0].token_ids) > block_size]
     random.Random(cfg.seed + 2).shuffle(samples)
     del llm
     _free_device_memory()
@@ -276,6 +351,18 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
     log(f"data: {len(samples)} samples ({sum(len(s.response_ids) for s in samples)} response tokens) "
         f"in {seconds:.0f}s -> {path}")
     return samples, {"path": str(path), "key": key, "cached": False, "seconds": seconds}
+
+
+def read_samples(path: str | Path, block_size: int) -> list[Sample]:
+    """Samples from a data file of an earlier run (JSONL, or JSONL.gz), e.g. data cached by
+    another `train-draft` run for the same target; responses not longer than a block are dropped."""
+    import gzip
+
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        out = [Sample(**json.loads(line)) for line in f if line.strip()]
+    return [x for x in out if len(x.response_ids) > block_size]
 
 
 def _free_device_memory() -> None:
@@ -893,6 +980,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="wall-clock seconds for this whole command (data, training, export): the run's "
                          "steps (and its learning-rate schedule) are fitted to what is left after the data")
+    ap.add_argument("--data-time-budget", type=float, default=None, metavar="SECONDS",
+                    help="stop answering new prompts after this many seconds of data generation "
+                         "(the dataset then has fewer than --samples samples)")
+    ap.add_argument("--extra-data", nargs="+", default=[], metavar="FILE",
+                    help="also train on these data files of earlier runs for the same target "
+                         "(samples-*.jsonl, or .jsonl.gz)")
     ap.add_argument("--data-only", action="store_true",
                     help="generate (or find) the cached data and stop; a later run trains on it")
     ap.add_argument("--taps-cache-gib", type=float, default=8.0,
@@ -915,11 +1008,20 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dcfg = DataConfig(samples=args.samples, code_fraction=args.code_fraction, max_len=args.max_len,
                       response_tokens=args.response_tokens, seed=args.seed, gen_batch=args.gen_batch)
+    deadline = None if args.data_time_budget is None else time.monotonic() + args.data_time_budget
     samples, info = build_dataset(target, args.data_dir or out / "data", dcfg, block_size=args.block_size,
-                                  device=args.device)
+                                  device=args.device, deadline=deadline)
     if args.data_only:
         print(f"data ready: {len(samples)} samples in {info['path']}")
         return 0
+    if args.extra_data:
+        extra = [x for f in args.extra_data for x in read_samples(f, args.block_size)]
+        info["extra"] = {"files": list(args.extra_data), "samples": len(extra)}
+        # a checkpoint resumes only on the same data: the key covers the extra samples too
+        info["key"] = hashlib.sha256(json.dumps([info["key"], [asdict(x) for x in extra]]).encode()).hexdigest()[:16]
+        samples = samples + extra
+        random.Random(args.seed + 4).shuffle(samples)  # the held-out slice draws from every source
+        print(f"data: {len(extra)} samples from {len(args.extra_data)} extra file(s); {len(samples)} in all")
     n_held = min(max(4, round(len(samples) * dcfg.held_out)), len(samples) // 2)
     train_s, held = samples[n_held:], samples[:n_held]
     cfg = TrainConfig(num_layers=args.layers, block_size=args.block_size, steps=args.steps,
