@@ -5,7 +5,8 @@
 # 512 out, ignore_eos, temperature 0, c = 1..32 (8 prompts below c=4, 4c above): spec off,
 # then spec on with 15 drafts and synthetic acceptance length 6.5. Results (JSON + PNG per
 # ladder, logs incl. the server's startup memory lines) land in $OUT. AB=1 adds c=32 (AB_CONC)
-# rungs with the host/device overlap off and Python's default GIL switch interval (A/B).
+# rungs with the host/device overlap off and Python's default GIL switch interval (A/B);
+# SCHED adds a spec-on ladder with a draft-length schedule; OFF_CONC limits the spec-off rungs.
 set -o pipefail
 source bench/device_env.sh
 Q=/tmp/q8; QD=/tmp/q8d; L=/tmp/ladder_logs; mkdir -p $L
@@ -27,7 +28,7 @@ ladder() {
 }
 SPEC='{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": 15, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'
 ALL=${CONC:-1,2,4,8,16,32}
-ladder spec_off $ALL ""
+ladder spec_off ${OFF_CONC:-$ALL} ""   # OFF_CONC=1,4: only the rungs that showed the start-up TTFT stall
 ladder spec_on $ALL "" --speculative-config "$SPEC"
 if [ -n "${SCHED:-}" ]; then   # the draft-length schedule, e.g. SCHED='[[4, 15], [8, 11], [16, 7], [32, 5]]'
     ladder spec_on_sched $ALL "" --speculative-config "${SPEC%\}}, \"num_speculative_tokens_schedule\": $SCHED}"
