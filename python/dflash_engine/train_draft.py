@@ -801,14 +801,33 @@ def export_draft(out_dir: Path, trainer: DraftTrainer, dtype_name: str) -> None:
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def init_weights_from(trainer: DraftTrainer, src: Path, draft_cfg: dict[str, Any]) -> None:
+    """Copy the weights of the draft directory `src` into the trainer's draft (float32)."""
+    from .models.loader import load_draft, read_config
+
+    src_cfg = read_config(src)
+    for key in ("block_size", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "dflash_config"):
+        if src_cfg.get(key) != draft_cfg.get(key):
+            raise ValueError(f"--init-from {src}: its {key} {src_cfg.get(key)!r} differs from this run's "
+                             f"{draft_cfg.get(key)!r}")
+    weights = load_draft(src, trainer.target.config, torch.float32, "cpu", batch_invariant=False).state_dict()
+    with torch.no_grad():
+        for name, p in trainer.draft.state_dict().items():
+            p.copy_(weights[name])
+
+
 def train(target: str | Path, out_dir: str | Path, samples: Sequence[Sample], cfg: TrainConfig, *,
           held_out: Sequence[Sample] = (), mask_token: tuple[int, int] | None = None, mask_candidates=None,
           device: str = "auto", resume: bool = False, progress: bool = True, data_info: dict | None = None,
-          save_checkpoints: bool = True, stop_at: int | None = None, log=print) -> TrainResult:
+          save_checkpoints: bool = True, stop_at: int | None = None, init_from: str | Path | None = None,
+          log=print) -> TrainResult:
     """Train a DFlash draft for the target directory `target` on `samples` and export it to
     `out_dir` (config.json + model.safetensors). Deterministic for the same inputs on CPU
     (single thread). With `resume`, continues from out_dir/checkpoint.pt when it exists;
-    `stop_at` ends this run after that step (checkpointed and exported; resume continues it)."""
+    `stop_at` ends this run after that step (checkpointed and exported; resume continues it).
+    `init_from`: a draft directory of the same configuration whose weights start this run (a
+    warm start with a fresh optimiser and schedule; ignored when a checkpoint is resumed)."""
     from .model_runner import resolve_device
     from .models import load_target
     from .models.config import default_target_layer_ids
@@ -845,8 +864,11 @@ def train(target: str | Path, out_dir: str | Path, samples: Sequence[Sample], cf
         res.held_out_history = [tuple(x) for x in ckpt.get("held_out_history", [])]
         res.resumed_from = trainer.step
         log(f"resuming from {ckpt_path} at step {trainer.step}")
-    elif resume:
+    elif resume and init_from is None:
         log(f"--resume: no checkpoint in {out_dir}, starting from scratch")
+    if init_from is not None and res.resumed_from == 0:
+        init_weights_from(trainer, Path(init_from), draft_cfg)
+        log(f"weights initialised from {init_from}")
 
     train_b = _Batches(samples, cfg.block_size, dev)
     held_b = _Batches(held_out, cfg.block_size, dev)
@@ -986,6 +1008,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--extra-data", nargs="+", default=[], metavar="FILE",
                     help="also train on these data files of earlier runs for the same target "
                          "(samples-*.jsonl, or .jsonl.gz)")
+    ap.add_argument("--init-from", default=None, metavar="DRAFT_DIR",
+                    help="start from this draft's weights (same configuration; fresh optimiser and schedule)")
     ap.add_argument("--data-only", action="store_true",
                     help="generate (or find) the cached data and stop; a later run trains on it")
     ap.add_argument("--taps-cache-gib", type=float, default=8.0,
@@ -1032,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
         # what is left after the data, less a margin for loading, the taps and the export
         cfg.time_budget_s = max(1.0, args.time_budget - (time.perf_counter() - t_start) - 30.0)
     res = train(target, out, train_s, cfg, held_out=held, device=args.device, resume=args.resume,
-                progress=not args.no_progress, data_info=info, stop_at=args.stop_at)
+                progress=not args.no_progress, data_info=info, stop_at=args.stop_at, init_from=args.init_from)
     report = {"target": str(target), "data": {**asdict(dcfg), **info}, "train": asdict(cfg),
               "result": {k: v for k, v in asdict(res).items() if k != "losses"}, "argv": list(argv)}
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
