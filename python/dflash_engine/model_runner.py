@@ -22,7 +22,9 @@ import torch
 from . import _core
 from .config import EngineConfig, synthetic_rates
 from .kv_cache import KVCache, MemoryReport, cpu_pool_pages, size_pool
+from .model_path import is_gguf_model
 from .models import load_draft, load_target
+from .models.cpu_weights import pack_cpu_weights, resolve_cpu_weights
 from .ops.attention import AttentionMetadata
 from .decode_graph import DecodeGraphRunner
 from .in_flight import InFlight
@@ -74,6 +76,14 @@ class ModelRunner:
                                  f"<= num_speculative_tokens ({n})")
             self.tap_layers = list(dcfg.target_layer_ids)
             self.mask_token_id = dcfg.mask_token_id
+        # The fast CPU mode's packed GEMM weights (models/cpu_weights.py).
+        self.cpu_weights = resolve_cpu_weights(cfg.cpu_weights, self.device, bool(cfg.batch_invariant), cfg.dtype,
+                                               self.dtype, is_gguf_model(cfg.model))
+        if self.cpu_weights != "none":
+            for name, model in (("target", self.target), ("draft", self.draft)):
+                if model is not None:
+                    logger.info("CPU weights (%s) of the %s: %s", self.cpu_weights, name,
+                                pack_cpu_weights(model, self.cpu_weights))
         # Benchmark-only synthetic acceptance (never on by default; labelled wherever it shows).
         self.synthetic_rates: torch.Tensor | None = None
         if spec is not None and spec.synthetic:
@@ -288,7 +298,7 @@ class ModelRunner:
                               plan.draft_page_tables, causal=False)
             h = self.draft(self.target.embed(self._t(plan.draft_input_ids)), self._t(plan.draft_positions), meta, self.kv)
             verify_rows = self._t(plan.verify_target_rows)  # the draft rows 1..B-1 of each block
-            draft_tokens = self.target.compute_logits(h[verify_rows]).argmax(-1)
+            draft_tokens = self.target.compute_logits(h[verify_rows], refine=False).argmax(-1)  # proposals only
             input_ids = input_ids.index_put((verify_rows,), draft_tokens)
 
         positions = self._t(plan.positions)
