@@ -35,6 +35,11 @@ from .step_timer import StepTimer
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES_DEFAULT = 1 << 30
+# The fast CPU mode's default draft length. A CPU verify pass costs about linearly in its rows
+# (compute-bound past a few rows; the int4 GEMMs past 6), while the shipped draft's τ barely
+# grows with K: measured best at K = 3 (docs/perf.md, "CPU weight formats"). The exact mode's
+# GEMMs run 16-row blocks whatever K is, so it keeps the draft's full block.
+CPU_NUM_SPECULATIVE_TOKENS = 3
 # Budgeted for CUDA graphs on top of the measured decode step (module loads, workspaces).
 _GRAPH_SLACK_BYTES = 256 << 20
 
@@ -64,7 +69,12 @@ class ModelRunner:
             self.draft = load_draft(spec.model, self.model_config, cfg.dtype, self.device,
                                     batch_invariant=cfg.batch_invariant)
             dcfg = self.draft.config
-            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else dcfg.block_size - 1
+            n = spec.num_speculative_tokens
+            if n is None:  # the draft's block, or less for the fast CPU mode (CPU_NUM_SPECULATIVE_TOKENS)
+                n = dcfg.block_size - 1
+                if (self.device.type == "cpu" and not cfg.batch_invariant and not spec.num_speculative_tokens_schedule
+                        and not spec.synthetic):
+                    n = min(n, CPU_NUM_SPECULATIVE_TOKENS)
             if n >= dcfg.block_size:
                 raise ValueError(
                     f"num_speculative_tokens ({n}) must be < the draft's block_size ({dcfg.block_size})"
