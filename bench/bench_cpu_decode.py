@@ -25,18 +25,19 @@ PROMPT = "Write a short story about a robot who learns to paint."
 
 
 class EngineRunner:
-    def __init__(self, batch_invariant: bool, max_tokens: int, prompt: str, speculative_config=None):
+    def __init__(self, batch_invariant: bool, max_tokens: int, prompt: str, speculative_config=None,
+                 dtype: str = "float32"):
         from dflash_engine import LLM, SamplingParams
 
         t0 = time.perf_counter()
-        self.llm = LLM(model=None, device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=1,
+        self.llm = LLM(model=None, device="cpu", dtype=dtype, max_model_len=1024, max_num_seqs=1,
                        batch_invariant=batch_invariant, speculative_config=speculative_config)
         self.load_s = time.perf_counter() - t0
         self.msgs = [{"role": "user", "content": prompt}]
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         self.llm.chat(self.msgs, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         self.info = {"engine": "dflash-engine", "mode": "exact" if batch_invariant else "fast",
-                     "spec": speculative_config is not None}
+                     "dtype": dtype, "spec": speculative_config is not None}
 
     def __call__(self) -> tuple[list[int], int]:
         out = self.llm.chat(self.msgs, self.params, use_tqdm=False)[0]
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--dtypes", default="float32",
+                    help="engine dtypes, comma-separated (float32, bfloat16, auto); each mode runs in each")
     ap.add_argument("--draft", default=None, help="also run spec on with this DFlash draft directory")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, help="spec on: K (default: the draft's)")
     ap.add_argument("--json", default=None, help="write all results here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -89,10 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     for mode in [m for m in args.modes.split(",") if m]:
         if mode not in ("fast", "exact"):
             ap.error(f"unknown mode {mode!r}")
-        runners.append(EngineRunner(mode == "exact", args.max_tokens, args.prompt))
-        if args.draft:
-            spec = {"method": "dflash", "model": args.draft}
-            runners.append(EngineRunner(mode == "exact", args.max_tokens, args.prompt, spec))
+        for dtype in [d for d in args.dtypes.split(",") if d]:
+            runners.append(EngineRunner(mode == "exact", args.max_tokens, args.prompt, dtype=dtype))
+            if args.draft:
+                spec = {"method": "dflash", "model": args.draft}
+                if args.num_speculative_tokens is not None:
+                    spec["num_speculative_tokens"] = args.num_speculative_tokens
+                runners.append(EngineRunner(mode == "exact", args.max_tokens, args.prompt, spec, dtype=dtype))
     if not args.no_hf:
         runners.append(TransformersRunner(args.max_tokens, args.prompt))
     # Rounds: every configuration once per round, so that all of them see the same machine
@@ -115,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "token_ids"}), flush=True)
     ref = results[0]["token_ids"]
-    print(f"\n{'engine':<15}{'mode':<10}{'spec':<6}{'tok/s median':>13}{'best':>8}   same tokens as {results[0]['mode']}")
+    print(f"\n{'engine':<15}{'mode':<10}{'dtype':<10}{'spec':<6}{'tok/s median':>13}{'best':>8}   "
+          f"same tokens as the first")
     for r in results:
-        print(f"{r['engine']:<15}{r['mode']:<10}{str(r['spec']):<6}{r['tok_s_median']:>13.2f}{r['tok_s_best']:>8.2f}"
-              f"   {r['token_ids'] == ref}")
+        print(f"{r['engine']:<15}{r['mode']:<10}{r.get('dtype', 'float32'):<10}{str(r['spec']):<6}"
+              f"{r['tok_s_median']:>13.2f}{r['tok_s_best']:>8.2f}   {r['token_ids'] == ref}")
     print(f"threads {info['threads']}, load average before {info['loadavg_before']}, after {info['loadavg_after']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -102,13 +102,19 @@ def humaneval_prompts() -> list[str]:
 
 
 def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str, batch_invariant: bool,
-        max_model_len: int, gpu_memory_utilization: float, num_speculative_tokens: int | None = None):
+        max_model_len: int, gpu_memory_utilization: float, num_speculative_tokens: int | None = None,
+        cpu_weights: str = "auto"):
     from dflash_engine import LLM, SamplingParams
 
-    spec = {"method": "dflash", "model": draft, "num_speculative_tokens": num_speculative_tokens} if draft else None
+    spec = None
+    if draft:
+        spec = {"method": "dflash", "model": draft}
+        if num_speculative_tokens is not None:
+            spec["num_speculative_tokens"] = num_speculative_tokens
     llm = LLM(model=target, speculative_config=spec, max_num_seqs=c, device=device,
               batch_invariant=batch_invariant, max_model_len=max_model_len,
-              gpu_memory_utilization=gpu_memory_utilization)
+              gpu_memory_utilization=gpu_memory_utilization, cpu_weights=cpu_weights)
+    k = llm.engine.runner.num_speculative_tokens
     convs = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -122,7 +128,7 @@ def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str,
     tokens = [o.outputs[0].token_ids for o in outs]
     n = sum(len(t) for t in tokens)
     del llm
-    return {"c": c, "spec": bool(draft), "prompts": len(prompts), "output_tokens": n, "seconds": round(wall, 3),
+    return {"c": c, "spec": bool(draft), "k": k, "prompts": len(prompts), "output_tokens": n, "seconds": round(wall, 3),
             "tok_s": round(n / wall, 2), "tau": round(1 + accepted / drafts, 3) if drafts else None,
             "drafts": drafts}, tokens
 
@@ -140,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU: exact GEMMs (spec-on output must then equal spec-off exactly)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the draft's own")
+    ap.add_argument("--num-speculative-tokens", default=None,
+                    help="K, or several comma-separated (one spec-on run each against one spec-off run); "
+                         "default: the engine's (the draft's block_size - 1; fewer on the CPU)")
+    ap.add_argument("--cpu-weights", default="auto", help="the engine's cpu_weights (auto, none, bf16, int4)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     sets = {"humaneval": humaneval_prompts, "chat": lambda: list(CHAT_PROMPTS)}
@@ -153,24 +162,29 @@ def main(argv: list[str] | None = None) -> int:
         prompts = sets[name]()[: args.limit]
         for c in [int(x) for x in args.concurrency.split(",")]:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,
-                      max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+                      max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                      cpu_weights=args.cpu_weights)
             off, off_tokens = run(args.target, None, prompts, c, **kw)
-            on, on_tokens = run(args.target, args.draft, prompts, c, **kw,
-                                num_speculative_tokens=args.num_speculative_tokens)
-            same = sum(a == b for a, b in zip(on_tokens, off_tokens))
-            for r in (off, on):
-                r.update(set=name, same_as_spec_off=f"{same}/{len(prompts)}" if r["spec"] else "-")
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-            on["speedup"] = round(on["tok_s"] / off["tok_s"], 3)
+            off.update(set=name, same_as_spec_off="-")
+            rows.append(off)
+            print(json.dumps(off), flush=True)
+            ks = [int(k) for k in str(args.num_speculative_tokens).split(",")] if args.num_speculative_tokens else [None]
+            for k in ks:
+                on, on_tokens = run(args.target, args.draft, prompts, c, **kw, num_speculative_tokens=k)
+                same = sum(a == b for a, b in zip(on_tokens, off_tokens))
+                on.update(set=name, same_as_spec_off=f"{same}/{len(prompts)}")
+                on["speedup"] = round(on["tok_s"] / off["tok_s"], 3)
+                rows.append(on)
+                print(json.dumps(on), flush=True)
             if args.json:  # after every pair, so that a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({"info": info, "rows": rows}, f, indent=1)
-    print(f"\n{'set':<10}{'c':>4}{'spec':>6}{'tok/s':>10}{'tau':>7}{'speedup':>9}  same as spec-off")
+    print(f"\n{'set':<10}{'c':>4}{'spec':>6}{'K':>4}{'tok/s':>10}{'tau':>7}{'speedup':>9}  same as spec-off")
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
-        print(f"{r['set']:<10}{r['c']:>4}{'on' if r['spec'] else 'off':>6}{r['tok_s']:>10.1f}"
+        print(f"{r['set']:<10}{r['c']:>4}{'on' if r['spec'] else 'off':>6}{r['k'] or '-':>4}{r['tok_s']:>10.1f}"
               f"{tau:>7}{r.get('speedup', 1.0):>9.2f}  {r['same_as_spec_off']}")
+    print(f"load average {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)

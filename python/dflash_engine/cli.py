@@ -13,7 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(
         model=args.model, speculative_config=args.speculative_config, device=args.device or "auto",
         dtype=args.dtype or "auto", max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-        batch_invariant=args.batch_invariant,
+        batch_invariant=args.batch_invariant, cpu_weights=args.cpu_weights or "auto",
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:
@@ -31,7 +31,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .server.cli_args import _spec_config, add_batch_invariant_arg, add_bench_args, add_serve_args
+    from .server.cli_args import (
+        _spec_config, add_batch_invariant_arg, add_bench_args, add_cpu_weights_arg, add_serve_args,
+    )
 
     ap = argparse.ArgumentParser(prog="dflash-engine", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None)
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     add_batch_invariant_arg(g)
+    add_cpu_weights_arg(g)
 
     sub.add_parser("convert", help="convert a llama GGUF into a Hugging Face directory", add_help=False)
     sub.add_parser("make-random-checkpoint", add_help=False,

@@ -165,6 +165,10 @@ class EngineConfig:
     # Build step N's outputs (detokenise, stream hand-off) while the device runs step N+1.
     # None: on unless $DFLASH_OVERLAP=0.
     overlap: bool | None = None
+    # The fast CPU mode's GEMM weights (models/cpu_weights.py): "none" (the model's dtype),
+    # "bf16", "int4" (int4 where a weight is on a 4-bit grid, bf16 elsewhere), or "auto": int4
+    # for a GGUF model (the embedded default) at dtype "auto", bf16 for a bfloat16 model, else none.
+    cpu_weights: str = "auto"
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -186,5 +190,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        from .models.cpu_weights import FORMATS
+
+        if self.cpu_weights not in FORMATS:
+            raise ValueError(f"cpu_weights must be one of {', '.join(FORMATS)}, got {self.cpu_weights!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

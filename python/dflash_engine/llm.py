@@ -33,13 +33,16 @@ class LLM:
         enable_prefix_caching: bool = True,
         batch_invariant: bool | None = None,
         overlap: bool | None = None,
+        cpu_weights: str = "auto",
     ):
         """speculative_config: "auto" (default): DFlash with the shipped draft when `model` is
         the embedded SmolLM2 on a GPU, else off; None or "none": off; a dict: vLLM's keys
         ({"method": "dflash"} alone means the shipped draft of the embedded model).
         batch_invariant=True: exact CPU GEMMs (a row's bits never depend on its batch, so
         spec-on output equals spec-off exactly); False: plain CPU kernels (fast); None: from
-        $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT, default False."""
+        $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT, default False.
+        cpu_weights: the fast CPU mode's GEMM weights, "auto" (default), "none", "bf16" or
+        "int4" (EngineConfig.cpu_weights, models/cpu_weights.py)."""
         self.engine = LLMEngine(
             EngineConfig(
                 model=model, speculative_config=speculative_config, max_num_seqs=max_num_seqs,
@@ -48,6 +51,7 @@ class LLM:
                 block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
                 enforce_eager=enforce_eager, batch_invariant=batch_invariant, overlap=overlap,
+                cpu_weights=cpu_weights,
             )
         )
         self._ids = itertools.count()

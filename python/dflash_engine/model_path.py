@@ -78,6 +78,11 @@ def is_default_model(model: str | os.PathLike[str] | None) -> bool:
     return model is None or str(model) == "default"
 
 
+def is_gguf_model(model: str | os.PathLike[str] | None) -> bool:
+    """A model converted from a GGUF file: the embedded default or a *.gguf path."""
+    return is_default_model(model) or str(model).lower().endswith(".gguf")
+
+
 def shipped_draft_dir() -> Path:
     """The DFlash draft trained for the embedded model by `dflash-engine train-draft`, shipped
     inside the package (config.json, model.safetensors, README.md: its model card)."""

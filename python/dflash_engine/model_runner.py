@@ -22,7 +22,9 @@ import torch
 from . import _core
 from .config import EngineConfig, synthetic_rates
 from .kv_cache import KVCache, MemoryReport, cpu_pool_pages, size_pool
+from .model_path import is_gguf_model
 from .models import load_draft, load_target
+from .models.cpu_weights import pack_cpu_weights, resolve_cpu_weights
 from .ops.attention import AttentionMetadata
 from .decode_graph import DecodeGraphRunner
 from .in_flight import InFlight
@@ -33,6 +35,11 @@ from .step_timer import StepTimer
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES_DEFAULT = 1 << 30
+# The fast CPU mode's default draft length. A CPU verify pass costs about linearly in its rows
+# (compute-bound past a few rows; the int4 GEMMs past 6), while the shipped draft's τ barely
+# grows with K: measured best at K = 3 (docs/perf.md, "CPU weight formats"). The exact mode's
+# GEMMs run 16-row blocks whatever K is, so it keeps the draft's full block.
+CPU_NUM_SPECULATIVE_TOKENS = 3
 # Budgeted for CUDA graphs on top of the measured decode step (module loads, workspaces).
 _GRAPH_SLACK_BYTES = 256 << 20
 
@@ -62,7 +69,12 @@ class ModelRunner:
             self.draft = load_draft(spec.model, self.model_config, cfg.dtype, self.device,
                                     batch_invariant=cfg.batch_invariant)
             dcfg = self.draft.config
-            n = spec.num_speculative_tokens if spec.num_speculative_tokens is not None else dcfg.block_size - 1
+            n = spec.num_speculative_tokens
+            if n is None:  # the draft's block, or less for the fast CPU mode (CPU_NUM_SPECULATIVE_TOKENS)
+                n = dcfg.block_size - 1
+                if (self.device.type == "cpu" and not cfg.batch_invariant and not spec.num_speculative_tokens_schedule
+                        and not spec.synthetic):
+                    n = min(n, CPU_NUM_SPECULATIVE_TOKENS)
             if n >= dcfg.block_size:
                 raise ValueError(
                     f"num_speculative_tokens ({n}) must be < the draft's block_size ({dcfg.block_size})"
@@ -74,6 +86,14 @@ class ModelRunner:
                                  f"<= num_speculative_tokens ({n})")
             self.tap_layers = list(dcfg.target_layer_ids)
             self.mask_token_id = dcfg.mask_token_id
+        # The fast CPU mode's packed GEMM weights (models/cpu_weights.py).
+        self.cpu_weights = resolve_cpu_weights(cfg.cpu_weights, self.device, bool(cfg.batch_invariant), cfg.dtype,
+                                               self.dtype, is_gguf_model(cfg.model))
+        if self.cpu_weights != "none":
+            for name, model in (("target", self.target), ("draft", self.draft)):
+                if model is not None:
+                    logger.info("CPU weights (%s) of the %s: %s", self.cpu_weights, name,
+                                pack_cpu_weights(model, self.cpu_weights))
         # Benchmark-only synthetic acceptance (never on by default; labelled wherever it shows).
         self.synthetic_rates: torch.Tensor | None = None
         if spec is not None and spec.synthetic:
@@ -288,7 +308,7 @@ class ModelRunner:
                               plan.draft_page_tables, causal=False)
             h = self.draft(self.target.embed(self._t(plan.draft_input_ids)), self._t(plan.draft_positions), meta, self.kv)
             verify_rows = self._t(plan.verify_target_rows)  # the draft rows 1..B-1 of each block
-            draft_tokens = self.target.compute_logits(h[verify_rows]).argmax(-1)
+            draft_tokens = self.target.compute_logits(h[verify_rows], refine=False).argmax(-1)  # proposals only
             input_ids = input_ids.index_put((verify_rows,), draft_tokens)
 
         positions = self._t(plan.positions)

