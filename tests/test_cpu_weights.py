@@ -323,3 +323,26 @@ def test_fast_layer_path_matches_the_reference_layers(family, qwen3_dir, llama_t
         outs.append(got)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_row_topk_and_row_argmax_match_torch():
+    """The blocked scans (packed_logits' refine, greedy sampling, proposals): argmax exactly,
+    ties to the first index and NaN as torch has them; topk the same set of indices."""
+    from dflash_engine.models.cpu_weights import row_argmax, row_topk
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4096, generator=gen)
+    x[1, 1000] = x[1, 3000] = 50.0  # a tie: the first wins
+    x[2] = 0.0  # all tied
+    x[3, 2000] = float("nan")
+    x[4, 100:108] = 40.0 + torch.arange(8.0)  # the top 8 in one block
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert row_argmax(x).tolist()[1:3] == [1000, 0]
+    ok = torch.cat([x[:2], x[4:]])
+    assert torch.equal(row_topk(ok, 8).sort(-1).values, ok.topk(8, dim=-1).indices.sort(-1).values)
+    spread = torch.randn(3, 49152, generator=gen)  # the embedded vocabulary's width
+    assert torch.equal(row_topk(spread, 8).sort(-1).values, spread.topk(8, dim=-1).indices.sort(-1).values)
+    assert torch.equal(row_argmax(spread), spread.argmax(-1))
+    odd = torch.randn(2, 300, generator=gen)  # not whole blocks: torch's own
+    assert torch.equal(row_argmax(odd), odd.argmax(-1)) and torch.equal(row_topk(odd, 8), odd.topk(8).indices)
+    assert row_argmax(torch.empty(0, 4096)).shape == (0,)

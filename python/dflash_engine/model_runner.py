@@ -24,7 +24,7 @@ from .config import EngineConfig, synthetic_rates
 from .kv_cache import KVCache, MemoryReport, cpu_pool_pages, size_pool
 from .model_path import is_gguf_model
 from .models import load_draft, load_target
-from .models.cpu_weights import pack_cpu_weights, pack_proposal_logits, resolve_cpu_weights
+from .models.cpu_weights import pack_cpu_weights, pack_proposal_logits, resolve_cpu_weights, row_argmax
 from .ops.attention import AttentionMetadata
 from .decode_graph import DecodeGraphRunner
 from .in_flight import InFlight
@@ -295,6 +295,8 @@ class ModelRunner:
         return self.wait(self.launch(plan, st, all_greedy))
 
     def _sample(self, logits: torch.Tensor, st: dict[str, np.ndarray], all_greedy: bool) -> torch.Tensor:
+        if all_greedy and logits.device.type == "cpu" and not use_kernels(logits):
+            return row_argmax(logits)  # what `sample` gives every greedy row, without its parameters
         t = SamplingTensors.from_numpy(st, self.device)
         if not use_kernels(logits):
             return sample(logits, t)

@@ -108,7 +108,8 @@ class Linear(nn.Linear):
         """The fast mode's GEMM: the packed weight if any, else `fast_linear`."""
         packed = self.packed
         if packed is not None:
-            return packed(x) if self.bias is None else packed(x).add_(self.bias)
+            bias = self._parameters["bias"]  # not through nn.Module's __getattr__: ~1 us a GEMM
+            return packed(x) if bias is None else packed(x).add_(bias)
         return fast_linear(x, self.weight, self.bias)
 
 
@@ -362,9 +363,9 @@ class CausalLM(nn.Module):
         cpu_weights.pack_proposal_logits) through that: a proposal is only a guess the target
         verifies, so a cheaper, coarser GEMM changes how often drafts are accepted, never the
         output."""
-        from .cpu_weights import INT4_MAX_ROWS
+        from .cpu_weights import INT4_MAX_ROWS, row_argmax
 
         if (self.proposal_packed is not None and not self.batch_invariant and hidden.device.type == "cpu"
                 and hidden.shape[0] <= INT4_MAX_ROWS):
-            return self.proposal_packed(hidden)[:, :self.config.vocab_size].argmax(-1)
-        return self.compute_logits(hidden, refine=False).argmax(-1)
+            return row_argmax(self.proposal_packed(hidden)[:, :self.config.vocab_size].contiguous())
+        return row_argmax(self.compute_logits(hidden, refine=False))
