@@ -201,3 +201,148 @@ def test_embedded_model_gets_int4_layers_in_the_fast_mode():
     f32 = LLM(model=None, device="cpu", batch_invariant=False, max_model_len=256, speculative_config=None,
               dtype="float32")
     assert f32.engine.runner.cpu_weights == "none"
+
+
+# ---- the CPU spec step (docs/perf.md, "CPU spec step"): the draft's rounded int4 GEMMs, its
+# proposals' logits, the fused context write, the fast layer path
+
+@needs_int4
+def test_int4_round_packs_any_weight_within_half_a_step():
+    from dflash_engine.models.cpu_weights import int4_round
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=gen)
+    codes, scale, lo = int4_round(w)
+    back = (codes.view(64, 4, 32) * scale[..., None] + lo[..., None]).view(64, 128)
+    assert int(codes.min()) == 0 and int(codes.max()) == 15
+    assert bool(((back - w).abs() <= scale.repeat_interleave(32, 1) / 2 + 1e-6).all())
+    assert int4_round(w[:, :100]) is None  # not whole groups
+    assert torch.equal(int4_round(q4_weight(32, 64))[0], int4_grid(q4_weight(32, 64))[0])  # on a grid: exact
+    assert PackedWeight(w, int4=True).format == "bf16"  # off the grid: no exact int4 form
+    rounded = PackedWeight(w, int4=True, rounded=True)
+    only = PackedWeight(w, int4=True, rounded=True, bf16=False)
+    assert rounded.format == only.format == "int4" and only.int4_only and only.bf16 is None
+    for rows in (1, 4, 37):  # int4-only: every row count runs int4 (no bf16 form to fall back on)
+        x = torch.randn(rows, 128, generator=gen)
+        assert rel_err(only(x), x @ w.t()) < 0.15  # a rounded grid: ~8% per weight, less per GEMM
+        assert rel_err(only(x), x @ back.t()) < 1e-2  # and exactly the rounded weight's GEMM (bf16 input)
+    assert rel_err(rounded(torch.ones(37, 128)), torch.ones(37, 128) @ w.t()) < 1e-2  # > 6 rows: bf16
+
+
+def _tiny_draft(tmp_path, qwen3_dir, fmt, rounded=False):
+    from tiny_models import make_tiny_dflash_draft
+
+    from dflash_engine.models import load_draft
+
+    target_cfg = load_target(qwen3_dir).config
+    path = tmp_path / "draft"
+    if not path.exists():
+        make_tiny_dflash_draft(path, qwen3_dir, num_layers=2, block_size=4, target_layer_ids=[1, 2])
+    draft = load_draft(path, target_cfg, batch_invariant=False)
+    if fmt != "none":
+        pack_cpu_weights(draft, fmt, rounded=rounded)
+    return target_cfg, draft
+
+
+@pytest.mark.parametrize("fmt", ["bf16", pytest.param("int4", marks=needs_int4)])
+def test_packed_draft_writes_its_context_in_one_gemm(tmp_path, qwen3_dir, fmt):
+    """The packed draft's context write: every layer's k, v rows in one GEMM, the k_norms and
+    RoPE over all layers at once; the same K/V as the per-layer loop of the unpacked draft (to
+    the bf16 GEMM's rounding, or the rounded int4 weights')."""
+    from attention_meta import meta_for_batch
+
+    from dflash_engine.kv_cache import KVCache
+
+    target_cfg, ref = _tiny_draft(tmp_path, qwen3_dir, "none")
+    _, packed = _tiny_draft(tmp_path, qwen3_dir, fmt, rounded=fmt == "int4")
+    assert packed.ctx_kv_packed is not None and packed.ctx_kv_packed.format == fmt
+    assert all(layer.self_attn.kv_packed is None for layer in packed.layers)  # the stacked weight instead
+    h = target_cfg.hidden_size
+    taps = torch.randn(6, 2 * h, generator=torch.Generator().manual_seed(1))
+    meta, positions = meta_for_batch([6], [9], [[3, 1, 2]], 4, True)  # context rows at positions 3..8
+    caches = []
+    for draft in (ref, packed):
+        kv = KVCache.allocate(target_cfg, draft.config, 4, 4, torch.float32)
+        with torch.no_grad():
+            draft.write_context(taps, positions, meta.slot_mapping, kv)
+        caches.append(kv.draft)
+    tol = 0.05 if fmt == "bf16" else 0.3
+    for (k_ref, v_ref), (k, v) in zip(*caches):
+        assert rel_err(k, k_ref) < tol and rel_err(v, v_ref) < tol
+        assert k.count_nonzero() == k_ref.count_nonzero() > 0  # the same slots written, no others
+    set_batch_invariant(packed, True)  # the exact mode: no stacked weight, the reference loop
+    assert packed.ctx_kv_packed is None
+
+
+@needs_int4
+def test_int4_engine_drafts_through_rounded_int4(qwen3_dir, random_draft_dir):
+    """cpu_weights="int4": the draft's GEMMs and its proposals' logits are rounded to int4 (the
+    tiny draft's weights lie on no grid); the target's stay exact (bf16 here: off the grid).
+    "bf16" rounds nothing. Proposals are the argmax of the rounded logits (of the bf16 ones past
+    INT4_MAX_ROWS rows)."""
+    spec = {"method": "dflash", "model": str(random_draft_dir)}
+    llm = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False, cpu_weights="int4", speculative_config=spec)
+    r = llm.engine.runner
+    assert {p.format for p in _packed_linears(r.draft)} == {"int4"}
+    assert r.target.proposal_packed is not None and r.target.proposal_packed.int4_only
+    assert r.draft.ctx_kv_packed.format == "int4"
+    h = torch.randn(3, r.target.config.hidden_size)
+    assert r.target.config.vocab_size % 16 and r.target.proposal_packed.shape[0] % 16 == 0  # padded
+    assert torch.equal(r.target.propose(h), r.target.proposal_packed(h)[:, :r.target.config.vocab_size].argmax(-1))
+    many = torch.randn(INT4_MAX_ROWS + 1, r.target.config.hidden_size)  # past the int4 rows: the bf16 logits
+    assert torch.equal(r.target.propose(many), r.target.compute_logits(many, refine=False).argmax(-1))
+    bf16 = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False, cpu_weights="bf16", speculative_config=spec)
+    assert bf16.engine.runner.target.proposal_packed is None
+    assert {p.format for p in _packed_linears(bf16.engine.runner.draft)} == {"bf16"}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [3, 1, 4, 1, 5]}], params, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 12 and llm.stats().spec_num_drafts > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fast_layer_path_matches_the_reference_layers(family, qwen3_dir, llama_tied_dir):
+    """DecoderLayer._forward_fast_cpu (fused q/k norm, RoPE by roll and addcmul, module lookups
+    cached) gives the reference layers' hidden states and taps, numerically: a prefill then a
+    verify block, with (qwen3) and without (llama) q/k norms."""
+    from attention_meta import meta_for_batch
+
+    from dflash_engine.kv_cache import KVCache
+
+    path = qwen3_dir if family == "qwen3" else llama_tied_dir
+    fast, ref = load_target(path, batch_invariant=False), load_target(path, batch_invariant=True)
+    assert fast.model.layers[0].fast_cpu(torch.zeros(1)) and not ref.model.layers[0].fast_cpu(torch.zeros(1))
+    outs = []
+    for model in (fast, ref):
+        kv = KVCache.allocate(model.config, None, 8, 4, torch.float32)
+        got = []
+        with torch.no_grad():
+            for q_len, seq_len in ((7, 7), (4, 11)):
+                meta, positions = meta_for_batch([q_len], [seq_len], [[5, 2, 7]], 4, True)
+                ids = torch.arange(seq_len - q_len, seq_len) * 7 % model.config.vocab_size
+                got += list(model(ids, positions, meta, kv, [0, 1]))
+        outs.append(got)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_row_topk_and_row_argmax_match_torch():
+    """The blocked scans (packed_logits' refine, greedy sampling, proposals): argmax exactly,
+    ties to the first index and NaN as torch has them; topk the same set of indices."""
+    from dflash_engine.models.cpu_weights import row_argmax, row_topk
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4096, generator=gen)
+    x[1, 1000] = x[1, 3000] = 50.0  # a tie: the first wins
+    x[2] = 0.0  # all tied
+    x[3, 2000] = float("nan")
+    x[4, 100:108] = 40.0 + torch.arange(8.0)  # the top 8 in one block
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert row_argmax(x).tolist()[1:3] == [1000, 0]
+    ok = torch.cat([x[:2], x[4:]])
+    assert torch.equal(row_topk(ok, 8).sort(-1).values, ok.topk(8, dim=-1).indices.sort(-1).values)
+    spread = torch.randn(3, 49152, generator=gen)  # the embedded vocabulary's width
+    assert torch.equal(row_topk(spread, 8).sort(-1).values, spread.topk(8, dim=-1).indices.sort(-1).values)
+    assert torch.equal(row_argmax(spread), spread.argmax(-1))
+    odd = torch.randn(2, 300, generator=gen)  # not whole blocks: torch's own
+    assert torch.equal(row_argmax(odd), odd.argmax(-1)) and torch.equal(row_topk(odd, 8), odd.topk(8).indices)
+    assert row_argmax(torch.empty(0, 4096)).shape == (0,)

@@ -24,7 +24,7 @@ from .config import EngineConfig, synthetic_rates
 from .kv_cache import KVCache, MemoryReport, cpu_pool_pages, size_pool
 from .model_path import is_gguf_model
 from .models import load_draft, load_target
-from .models.cpu_weights import pack_cpu_weights, resolve_cpu_weights
+from .models.cpu_weights import pack_cpu_weights, pack_proposal_logits, resolve_cpu_weights, row_argmax
 from .ops.attention import AttentionMetadata
 from .decode_graph import DecodeGraphRunner
 from .in_flight import InFlight
@@ -90,10 +90,16 @@ class ModelRunner:
         self.cpu_weights = resolve_cpu_weights(cfg.cpu_weights, self.device, bool(cfg.batch_invariant), cfg.dtype,
                                                self.dtype, is_gguf_model(cfg.model))
         if self.cpu_weights != "none":
+            # int4: the draft's GEMMs and its proposals' logits GEMM run int4 too, its weights
+            # rounded to the grid (lossy: a proposal is a guess the target verifies, so this moves
+            # the acceptance rate, never the output; docs/perf.md, "CPU spec step").
+            rounded = self.cpu_weights == "int4"
             for name, model in (("target", self.target), ("draft", self.draft)):
                 if model is not None:
                     logger.info("CPU weights (%s) of the %s: %s", self.cpu_weights, name,
-                                pack_cpu_weights(model, self.cpu_weights))
+                                pack_cpu_weights(model, self.cpu_weights, rounded=rounded and name == "draft"))
+            if self.draft is not None and rounded:
+                logger.info("CPU proposal logits weight: %s", pack_proposal_logits(self.target))
         # Benchmark-only synthetic acceptance (never on by default; labelled wherever it shows).
         self.synthetic_rates: torch.Tensor | None = None
         if spec is not None and spec.synthetic:
@@ -289,6 +295,8 @@ class ModelRunner:
         return self.wait(self.launch(plan, st, all_greedy))
 
     def _sample(self, logits: torch.Tensor, st: dict[str, np.ndarray], all_greedy: bool) -> torch.Tensor:
+        if all_greedy and logits.device.type == "cpu" and not use_kernels(logits):
+            return row_argmax(logits)  # what `sample` gives every greedy row, without its parameters
         t = SamplingTensors.from_numpy(st, self.device)
         if not use_kernels(logits):
             return sample(logits, t)
@@ -308,7 +316,7 @@ class ModelRunner:
                               plan.draft_page_tables, causal=False)
             h = self.draft(self.target.embed(self._t(plan.draft_input_ids)), self._t(plan.draft_positions), meta, self.kv)
             verify_rows = self._t(plan.verify_target_rows)  # the draft rows 1..B-1 of each block
-            draft_tokens = self.target.compute_logits(h[verify_rows], refine=False).argmax(-1)  # proposals only
+            draft_tokens = self.target.propose(h[verify_rows])
             input_ids = input_ids.index_put((verify_rows,), draft_tokens)
 
         positions = self._t(plan.positions)

@@ -56,22 +56,45 @@ def int4_grid(weight: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tenso
     return codes.reshape(n, k).to(torch.int32), scale, lo
 
 
-class PackedWeight:
-    """A [N, K] weight's packed forms; `__call__(x [M, K])` -> x @ weight.T in x's dtype."""
+def int4_round(weight: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor, Tensor] | None:
+    """`int4_grid`'s (codes, scale, min) for any weight: each group of `group` inputs rounded to
+    the nearest of 16 steps spanning its own range (lossy: at most half a step, (max - min) / 30,
+    per element). None when the input dimension is not whole groups."""
+    n, k = weight.shape
+    if k % group:
+        return None
+    w = weight.detach().float().reshape(n, k // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((w - lo[..., None]) / safe[..., None]).round_().clamp_(0, 15)
+    return codes.reshape(n, k).to(torch.int32), scale, lo
 
-    def __init__(self, weight: Tensor, int4: bool):
+
+class PackedWeight:
+    """A [N, K] weight's packed forms; `__call__(x [M, K])` -> x @ weight.T in x's dtype.
+
+    int4=True packs an int4 form where the weight lies on a 4-bit grid (exact); `rounded=True`
+    packs one for any weight, rounded to the grid (`int4_round`: lossy, for GEMMs whose result is
+    only a guess: a draft's). bf16=False packs no bf16 form (every row count then runs int4)."""
+
+    def __init__(self, weight: Tensor, int4: bool, rounded: bool = False, bf16: bool = True):
         self.shape = tuple(weight.shape)
-        w16 = weight.detach().to(torch.bfloat16).contiguous()
         self.mkldnn = _mkldnn_bf16()
-        self.bf16 = torch.ops.mkldnn._reorder_linear_weight(w16, _BF16_PACK_ROWS) if self.mkldnn else w16
         self.int4: tuple[Tensor, Tensor] | None = None
         # The int4 packing takes N in multiples of 16 (and K in whole groups: int4_grid).
-        grid = int4_grid(weight) if int4 and int4_available() and weight.shape[0] % 16 == 0 else None
+        packable = (int4 or rounded) and int4_available() and weight.shape[0] % 16 == 0
+        grid = (int4_round(weight) if rounded else int4_grid(weight)) if packable else None
         if grid is not None:
             codes, scale, lo = grid
             # The kernel computes (code - 8) * scale + zero: zero = min + 8 * scale.
             zeros = torch.stack([scale.t(), (lo + 8 * scale).t()], -1).to(torch.bfloat16).contiguous()
             self.int4 = (torch._convert_weight_to_int4pack_for_cpu(codes, 2), zeros)
+        self.int4_only = self.int4 is not None and not bf16
+        self.bf16 = None
+        if not self.int4_only:
+            w16 = weight.detach().to(torch.bfloat16).contiguous()
+            self.bf16 = torch.ops.mkldnn._reorder_linear_weight(w16, _BF16_PACK_ROWS) if self.mkldnn else w16
 
     @property
     def format(self) -> str:
@@ -79,7 +102,7 @@ class PackedWeight:
 
     def __call__(self, x: Tensor) -> Tensor:
         xb = x.to(torch.bfloat16)
-        if self.int4 is not None and xb.shape[0] <= INT4_MAX_ROWS:
+        if self.int4 is not None and (xb.shape[0] <= INT4_MAX_ROWS or self.int4_only):
             out = torch._weight_int4pack_mm_for_cpu(xb, self.int4[0], GROUP, self.int4[1])
         elif self.mkldnn:
             out = torch.ops.mkldnn._linear_pointwise(xb, self.bf16, None, "none", [None], "")
@@ -88,9 +111,11 @@ class PackedWeight:
         return out.to(x.dtype)
 
 
-def pack_cpu_weights(model: torch.nn.Module, fmt: str) -> dict[str, int]:
+def pack_cpu_weights(model: torch.nn.Module, fmt: str, rounded: bool = False) -> dict[str, int]:
     """Give every Linear of `model` (and a target's logits weight) packed forms: fmt "bf16" or
-    "int4" (int4 too where the weight is on a 4-bit grid). Returns {format: count}. The model
+    "int4" (int4 too where the weight is on a 4-bit grid; with `rounded`, every weight gets an
+    int4 form rounded to a grid: a draft's). A DFlash draft's context write gets every layer's k, v
+    rows stacked in one packed weight (`ctx_kv_packed`). Returns {format: count}. The model
     must be on the CPU in the fast mode (set_batch_invariant(model, False))."""
     from .dflash import DFlashDraftModel
     from .layers import Attention, CausalLM, Linear
@@ -100,7 +125,7 @@ def pack_cpu_weights(model: torch.nn.Module, fmt: str) -> dict[str, int]:
     counts: dict[str, int] = {}
 
     def pack(w: Tensor) -> PackedWeight:
-        p = PackedWeight(w, int4=fmt == "int4")
+        p = PackedWeight(w, int4=fmt == "int4", rounded=rounded)
         counts[p.format] = counts.get(p.format, 0) + 1
         return p
 
@@ -111,22 +136,47 @@ def pack_cpu_weights(model: torch.nn.Module, fmt: str) -> dict[str, int]:
         for m in model.modules():
             if isinstance(m, CausalLM):
                 m.logits_packed = pack(m.model.embed_tokens.weight) if m.lm_head is None else m.lm_head.packed
-            elif isinstance(m, Attention) and isinstance(model, DFlashDraftModel):
-                m.kv_packed = pack(m.qkv_proj.weight[m.q_size:])  # the context write: k and v only
+        if isinstance(model, DFlashDraftModel) and all(
+                layer.self_attn.qkv_proj.bias is None for layer in model.layers):
+            # The context write: every layer's k, v rows in one GEMM (DFlashDraftModel.write_context).
+            model.ctx_kv_packed = pack(torch.cat([layer.self_attn.qkv_proj.weight[layer.self_attn.q_size:]
+                                                  for layer in model.layers]))
+        elif isinstance(model, DFlashDraftModel):
+            for m in model.modules():
+                if isinstance(m, Attention):
+                    m.kv_packed = pack(m.qkv_proj.weight[m.q_size:])  # the context write: k and v only
     return counts
 
 
 def unpack_cpu_weights(model: torch.nn.Module) -> None:
     """Drop every packed form (the model computes from its parameters again)."""
+    from .dflash import DFlashDraftModel
     from .layers import Attention, CausalLM, Linear
 
     for m in model.modules():
+        if isinstance(m, DFlashDraftModel):
+            m.ctx_kv_packed = None
         if isinstance(m, Linear):
             m.packed = None
         elif isinstance(m, CausalLM):
-            m.logits_packed = None
+            m.logits_packed = m.proposal_packed = None
         elif isinstance(m, Attention):
             m.kv_packed = None
+
+
+def pack_proposal_logits(target: torch.nn.Module) -> str | None:
+    """Give a target (CausalLM, packed by `pack_cpu_weights`) a rounded int4 copy of its logits
+    weight for a draft's proposals of up to INT4_MAX_ROWS rows (`CausalLM.propose`): about half
+    the bf16 GEMM's time at a K = 3 block. Returns the format packed, or None where this torch has no CPU int4 GEMM."""
+    if not int4_available():
+        return None
+    weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    with torch.no_grad():
+        pad = -weight.shape[0] % 16  # the int4 packing takes N in multiples of 16: zero rows, sliced off
+        w = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])]) if pad else weight
+        p = PackedWeight(w, int4=True, rounded=True, bf16=False)  # more rows: logits_packed
+    target.proposal_packed = p
+    return p.format
 
 
 def resolve_cpu_weights(fmt: str, device: torch.device, batch_invariant: bool, dtype_arg: str,
@@ -149,6 +199,34 @@ def resolve_cpu_weights(fmt: str, device: torch.device, batch_invariant: bool, d
 
 
 REFINE_TOP = 8  # logits recomputed in float32 per row (packed_logits)
+_SCAN_BLOCK = 128  # columns per block of `row_topk` / `row_argmax`
+
+
+def row_topk(x: Tensor, k: int) -> Tensor:
+    """The indices of each row's k largest entries of x [M, V] (what x.topk(k).indices holds, up
+    to the order among ties at the k-th value), in two passes over blocks of 128 columns: the
+    top k elements lie in the k blocks of largest maximum. torch's CPU topk over a 49,152-wide
+    row takes ~120 us a row; this ~20. Falls back to topk where V is not whole blocks."""
+    m, v = x.shape
+    if v % _SCAN_BLOCK or v < 4 * k * _SCAN_BLOCK:
+        return x.topk(min(k, v), dim=-1).indices
+    blocks = x.view(m, v // _SCAN_BLOCK, _SCAN_BLOCK)
+    top = blocks.amax(-1).topk(k, dim=-1).indices  # [M, k] blocks
+    cand = blocks.gather(1, top[..., None].expand(m, k, _SCAN_BLOCK)).view(m, k * _SCAN_BLOCK)
+    pos = cand.topk(k, dim=-1).indices
+    return top.gather(1, pos // _SCAN_BLOCK) * _SCAN_BLOCK + pos % _SCAN_BLOCK
+
+
+def row_argmax(x: Tensor) -> Tensor:
+    """x.argmax(-1) for x [M, V] on the CPU, exactly (the first index of each row's maximum),
+    through the blocks' maxima: torch's CPU argmax over a 49,152-wide row is ~4x amax's time."""
+    m, v = x.shape
+    if x.device.type != "cpu" or v % _SCAN_BLOCK or v < 4 * _SCAN_BLOCK or m == 0:
+        return x.argmax(-1)
+    blocks = x.view(m, v // _SCAN_BLOCK, _SCAN_BLOCK)
+    b = blocks.amax(-1).argmax(-1)  # the first block holding the row's maximum
+    inner = blocks[torch.arange(m), b].argmax(-1)
+    return b * _SCAN_BLOCK + inner
 
 
 def packed_logits(hidden: Tensor, packed: PackedWeight, weight: Tensor, refine: bool = True) -> Tensor:
@@ -160,7 +238,7 @@ def packed_logits(hidden: Tensor, packed: PackedWeight, weight: Tensor, refine: 
     the winner out of the top 8. The rest of the row keeps the bf16 values (sampling's tail)."""
     logits = packed(hidden).float()
     if refine and logits.shape[0]:
-        idx = logits.topk(min(REFINE_TOP, logits.shape[1]), dim=-1).indices  # [M, k]
+        idx = row_topk(logits, REFINE_TOP)  # [M, k]
         exact = torch.bmm(weight[idx].float(), hidden.float().unsqueeze(-1)).squeeze(-1)  # [M, k]
         logits.scatter_(1, idx, exact)
     return logits

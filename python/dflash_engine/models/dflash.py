@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import dispatch
@@ -28,15 +30,40 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rotary = make_rotary(cfg)
+        # The fast CPU mode's packed k, v rows of every layer's qkv_proj, stacked [L * 2 * KV * D, H]
+        # (cpu_weights.pack_cpu_weights): the context write in one GEMM.
+        self.ctx_kv_packed = None
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor, kv) -> None:
         """taps [N, n_taps*H] at absolute `positions` -> draft K/V of every layer at `slot_mapping`."""
+        if self.ctx_kv_packed is not None and self.layers[0].fast_cpu(taps):
+            return self._write_context_fast_cpu(taps, positions, slot_mapping, kv)
         norm = self.hidden_norm
         ctx = dispatch.rms_norm(self.fc(taps.to(self.fc.weight.dtype)), norm.weight, norm.eps)
         cos, sin = self.rotary(positions, ctx.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv.draft):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
             dispatch.store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def _write_context_fast_cpu(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor, kv) -> None:
+        """`write_context` for the fast CPU mode with packed weights: fc, then every layer's K and
+        V from one GEMM, the k_norms and RoPE over all layers at once, then the cache writes."""
+        from ..ops.attention import write_kv
+
+        norm, attn = self.hidden_norm, self.layers[0].self_attn
+        t, n_layers, nkv, d = taps.shape[0], len(self.layers), attn.num_kv_heads, attn.head_dim
+        ctx = F.rms_norm(self.fc.fast(taps), norm.weight.shape, norm.weight, norm.eps)
+        kv_rows = self.ctx_kv_packed(ctx).view(t, n_layers, 2, nkv, d)
+        k, v = kv_rows[:, :, 0], kv_rows[:, :, 1]  # [T, L, KV, D]
+        if attn.k_norm is not None:  # each layer's k_norm: F.rms_norm's math, weights [L, 1, D]
+            w = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])[:, None, :]
+            k = k * torch.rsqrt(k.square().mean(-1, keepdim=True).add_(attn.eps)) * w
+        cos, sin = self.rotary(positions, k.dtype)
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        k1, k2 = k.chunk(2, dim=-1)
+        k = k * cos + torch.cat((-k2, k1), dim=-1) * sin
+        for i, (k_cache, v_cache) in enumerate(kv.draft):
+            write_kv(k_cache, v_cache, k[:, i], v[:, i], slot_mapping)
 
     def forward(self, input_embeds: Tensor, positions: Tensor, meta: AttentionMetadata, kv) -> Tensor:
         """Block rows -> final-normed hidden. Block K/V land at meta.slot_mapping as scratch."""

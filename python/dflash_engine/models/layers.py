@@ -106,7 +106,11 @@ class Linear(nn.Linear):
 
     def fast(self, x: Tensor) -> Tensor:
         """The fast mode's GEMM: the packed weight if any, else `fast_linear`."""
-        return packed_linear(x, self.packed, self.bias) if self.packed is not None else fast_linear(x, self.weight, self.bias)
+        packed = self.packed
+        if packed is not None:
+            bias = self._parameters["bias"]  # not through nn.Module's __getattr__: ~1 us a GEMM
+            return packed(x) if bias is None else packed(x).add_(bias)
+        return fast_linear(x, self.weight, self.bias)
 
 
 def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
@@ -123,6 +127,7 @@ def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
     for m in model.modules():
         if isinstance(m, (Linear, CausalLM)):
             m.batch_invariant = enabled
+        m.__dict__.pop("_fast_parts_cache", None)  # DecoderLayer._fast_parts: looked up afresh
     if enabled:  # the exact mode computes from the parameters only
         from .cpu_weights import unpack_cpu_weights
 
@@ -217,7 +222,7 @@ class DecoderLayer(nn.Module):
         kv_layer: KVLayer,
     ) -> tuple[Tensor, Tensor]:
         if self.fast_cpu(x):
-            return self._forward_fast_cpu(x, residual, cos, sin, meta, kv_layer)
+            return self._forward_fast_cpu(x, residual, *fast_rope_tables(cos, sin), meta, kv_layer)
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:  # first layer: x is the embedding, the stream starts here
             h, residual = dispatch.rms_norm(x, norm1.weight, norm1.eps), x
@@ -231,46 +236,54 @@ class DecoderLayer(nn.Module):
         """Whether this layer runs `_forward_fast_cpu`: the fast mode, on the CPU path."""
         return x.device.type == "cpu" and not self.mlp.down_proj.batch_invariant and not dispatch.kernels_on_cpu()
 
+    def _fast_parts(self) -> tuple:
+        """The submodules and parameters `_forward_fast_cpu` reads, looked up once (nn.Module's
+        attribute lookup costs ~1 us each, a dozen per layer and step)."""
+        parts = self.__dict__.get("_fast_parts_cache")
+        if parts is None:
+            attn, mlp = self.self_attn, self.mlp
+            n1, n2 = self.input_layernorm, self.post_attention_layernorm
+            parts = (attn, n1.weight, n1.eps, n2.weight, n2.eps, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                     mlp.down_proj, attn.q_norm, attn.k_norm)
+            self.__dict__["_fast_parts_cache"] = parts
+        return parts
+
     def _forward_fast_cpu(
-        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
+        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin_signed: Tensor, meta: AttentionMetadata,
         kv_layer: KVLayer,
     ) -> tuple[Tensor, Tensor]:
         """The same layer for the fast CPU mode, in as few torch calls as it takes: a decode
         step at one request is ~20 of them per layer, so the step stays bound by reading the
         weights rather than by Python. torch's fused rms_norm and SDPA; not batch-invariant
-        (the exact mode runs `forward`'s reference ops and `invariant_linear`)."""
-        attn, mlp = self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        (the exact mode runs `forward`'s reference ops and `invariant_linear`).
+        cos, sin_signed: `fast_rope_tables` ([T, 1, D], the sign of rotate-half in sin)."""
+        attn, w1, eps1, w2, eps2, qkv_proj, o_proj, gate_up_proj, down_proj, q_norm, k_norm = self._fast_parts()
         residual = x if residual is None else x.add_(residual)  # x: the previous layer's fresh output
-        h = F.rms_norm(residual, norm1.weight.shape, norm1.weight, norm1.eps)
-        qkv = attn.qkv_proj.fast(h)
+        h = F.rms_norm(residual, w1.shape, w1, eps1)
+        qkv = qkv_proj.fast(h)
         t, nh, nkv, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         v = qkv[:, attn.q_size + attn.kv_size:].view(t, nkv, d)
-        if cos.dim() == 2:  # [T, D] -> [T, 1, D] (run_layers does it once per pass)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if attn.q_norm is None:  # q and k rotated together
-            qk = qkv[:, :attn.q_size + attn.kv_size].view(t, nh + nkv, d)
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k = qk[:, :nh], qk[:, nh:]
-        else:
-            q = F.rms_norm(qkv[:, :attn.q_size].view(t, nh, d), (d,), attn.q_norm.weight, attn.eps)
-            k = F.rms_norm(qkv[:, attn.q_size:attn.q_size + attn.kv_size].view(t, nkv, d), (d,),
-                           attn.k_norm.weight, attn.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        qk = qkv[:, :attn.q_size + attn.kv_size].view(t, nh + nkv, d)
+        if q_norm is not None:  # q_norm and k_norm at once (F.rms_norm's math, per-head weights)
+            w = torch.cat((q_norm.weight.expand(nh, d), k_norm.weight.expand(nkv, d)))
+            qk = qk * torch.rsqrt(qk.square().mean(-1, keepdim=True).add_(attn.eps)) * w
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin_signed)  # neox RoPE on q and k together
+        q, k = qk[:, :nh], qk[:, nh:]
         k_cache, v_cache = kv_layer
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention_sdpa(q, k_cache, v_cache, meta, attn.scale)
-        h = attn.o_proj.fast(o.reshape(t, nh * d))
+        h = o_proj.fast(o.reshape(t, nh * d))
         residual = h.add_(residual)
-        h = F.rms_norm(residual, norm2.weight.shape, norm2.weight, norm2.eps)
-        gate, up = mlp.gate_up_proj.fast(h).chunk(2, dim=-1)
-        return mlp.down_proj.fast(F.silu(gate).mul_(up)), residual
+        h = F.rms_norm(residual, w2.shape, w2, eps2)
+        gate, up = gate_up_proj.fast(h).chunk(2, dim=-1)
+        return down_proj.fast(F.silu(gate).mul_(up)), residual
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def fast_rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, D] (RotaryEmbedding's) -> (cos, sin_signed) [T, 1, D] for the fast CPU path's
+    RoPE: rotate_half(x) * sin == x.roll(D/2, -1) * sin_signed, sin_signed = cat(-sin1, sin2)."""
+    half = cos.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
 
 
 def run_layers(layers, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_layers,
@@ -281,7 +294,7 @@ def run_layers(layers, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetad
     residual = None
     fast = len(layers) > 0 and layers[0].fast_cpu(x)  # decided once per pass, not per layer
     if fast:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = fast_rope_tables(cos, sin)
     for i, (layer, kv_layer) in enumerate(zip(layers, kv_layers)):
         if fast:  # straight to the fast path (no per-layer module-call overhead)
             x, residual = layer._forward_fast_cpu(x, residual, cos, sin, meta, kv_layer)
@@ -316,6 +329,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.batch_invariant = batch_invariant_from_env()  # the logits GEMM (set_batch_invariant)
         self.logits_packed = None  # the logits weight's packed CPU form (pack_cpu_weights)
+        self.proposal_packed = None  # its rounded int4 form for a draft's proposals (pack_proposal_logits)
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.model.embed_tokens(ids)
@@ -342,3 +356,16 @@ class CausalLM(nn.Module):
 
             return packed_logits(hidden, self.logits_packed, weight, refine)
         return linear(hidden, weight, None, self.batch_invariant).float()
+
+    def propose(self, hidden: Tensor) -> Tensor:
+        """A draft's proposed tokens from its final hidden rows: the argmax of their logits,
+        unrefined. With a rounded int4 logits weight (the fast CPU mode with a draft,
+        cpu_weights.pack_proposal_logits) through that: a proposal is only a guess the target
+        verifies, so a cheaper, coarser GEMM changes how often drafts are accepted, never the
+        output."""
+        from .cpu_weights import INT4_MAX_ROWS, row_argmax
+
+        if (self.proposal_packed is not None and not self.batch_invariant and hidden.device.type == "cpu"
+                and hidden.shape[0] <= INT4_MAX_ROWS):
+            return row_argmax(self.proposal_packed(hidden)[:, :self.config.vocab_size].contiguous())
+        return row_argmax(self.compute_logits(hidden, refine=False))
