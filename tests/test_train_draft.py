@@ -281,3 +281,29 @@ def test_init_from_starts_from_another_drafts_weights(run):
     with pytest.raises(ValueError, match="num_hidden_layers"):
         cli_main(_args(run.target, run.root / "bad", "--steps", "1", "--data-dir", data_dir,
                        "--layers", "2", "--init-from", str(run.out)))
+
+
+def test_held_out_split_is_by_content_and_stable_under_more_data():
+    """The held-out slice is chosen by each sample's content: the same samples whatever their
+    order, and a run with more data (--extra-data, more samples) holds out a superset, so a warm
+    start never scores a sample it trained on; tiny datasets still get a few held out."""
+    import random
+
+    from dflash_engine.train_draft import Sample, split_held_out
+
+    rng = random.Random(0)
+
+    def fake(n):
+        return [Sample([1, 2, rng.randrange(1000)], [rng.randrange(1000) for _ in range(8)], "self") for _ in range(n)]
+
+    base, more = fake(2000), fake(2000)
+    train_a, held_a = split_held_out(base, 0.05)
+    assert len(train_a) + len(held_a) == 2000 and 50 < len(held_a) < 150  # ~5%
+    shuffled = base[:]
+    rng.shuffle(shuffled)
+    assert sorted(map(str, split_held_out(shuffled, 0.05)[1])) == sorted(map(str, held_a))
+    _, held_ab = split_held_out(more + base, 0.05)
+    assert {str(x) for x in held_a} <= {str(x) for x in held_ab}
+    assert not {str(x) for x in held_a} & {str(x) for x in train_a}
+    tiny_train, tiny_held = split_held_out(base[:24], 0.05)
+    assert len(tiny_held) == 4 and len(tiny_train) == 20
