@@ -5,15 +5,15 @@
 # of the call's time. Everything comes back in $OUT (at most 8 files of <16 MiB): the
 # safetensors split in parts (join: cat model.safetensors.part-* > model.safetensors), the
 # gzipped data, and meta.tgz (config, model card, report, logs, eval).
-#   Knobs: SAMPLES (8192), CALL_BUDGET (seconds for the whole script, 540), DATA_ARGS (e.g.
-#   "--seed 1 --code-fraction 0.6 --gen-batch 512 --data-time-budget 170"), EXTRA (data files of
+#   Knobs: SAMPLES (8192), GEN_BATCH (256), CALL_BUDGET (seconds for the whole script, 540), DATA_ARGS (e.g.
+#   "--seed 1 --code-fraction 0.6 --data-time-budget 170"), EXTRA (data files of
 #   earlier runs to train on as well, e.g. docs/... data.jsonl.gz), TRAIN_ARGS.
 set -o pipefail
 T0=$(date +%s)
 source bench/device_env.sh
 D=/tmp/dev/draft; L=/tmp/logs; mkdir -p $L
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > $L/smi.txt
-COMMON="--out $D --samples ${SAMPLES:-8192} --gen-batch 256 --max-len 512 --response-tokens 384 --no-progress ${DATA_ARGS:-}"
+COMMON="--out $D --samples ${SAMPLES:-8192} --gen-batch ${GEN_BATCH:-256} --max-len 512 --response-tokens 384 --no-progress ${DATA_ARGS:-}"
 timeout ${DATA_TIMEOUT:-240} python3 -m dflash_engine.cli train-draft $COMMON --data-only 2>&1 | tee $L/data.log | grep -v Processed
 QUICK_EVAL=${QUICK_EVAL:-1}   # 0: no quick HumanEval c=32 check (a later call evaluates)
 LEFT=$(( ${CALL_BUDGET:-540} - ($(date +%s) - T0) - (QUICK_EVAL ? 75 : 20) ))   # the eval and packing

@@ -141,6 +141,8 @@ def pack_cpu_weights(model: torch.nn.Module, fmt: str, rounded: bool = False) ->
             # The context write: every layer's k, v rows in one GEMM (DFlashDraftModel.write_context).
             model.ctx_kv_packed = pack(torch.cat([layer.self_attn.qkv_proj.weight[layer.self_attn.q_size:]
                                                   for layer in model.layers]))
+            if model.layers[0].self_attn.k_norm is not None:
+                model.ctx_k_norm_weight = torch.stack([layer.self_attn.k_norm.weight for layer in model.layers])[:, None]
         elif isinstance(model, DFlashDraftModel):
             for m in model.modules():
                 if isinstance(m, Attention):
@@ -155,7 +157,7 @@ def unpack_cpu_weights(model: torch.nn.Module) -> None:
 
     for m in model.modules():
         if isinstance(m, DFlashDraftModel):
-            m.ctx_kv_packed = None
+            m.ctx_kv_packed = m.ctx_k_norm_weight = None
         if isinstance(m, Linear):
             m.packed = None
         elif isinstance(m, CausalLM):

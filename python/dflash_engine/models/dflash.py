@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -17,7 +16,7 @@ from ..ops import dispatch
 from ..ops.attention import AttentionMetadata
 from ..ops.norm import RMSNorm
 from .config import DraftConfig
-from .layers import DecoderLayer, Linear, make_rotary, run_layers
+from .layers import DecoderLayer, Linear, fast_rope, fast_rope_tables, make_rotary, rms_norm_heads, run_layers
 
 
 class DFlashDraftModel(nn.Module):
@@ -33,6 +32,7 @@ class DFlashDraftModel(nn.Module):
         # The fast CPU mode's packed k, v rows of every layer's qkv_proj, stacked [L * 2 * KV * D, H]
         # (cpu_weights.pack_cpu_weights): the context write in one GEMM.
         self.ctx_kv_packed = None
+        self.ctx_k_norm_weight = None  # every layer's k_norm weight stacked [L, 1, D], packed with it
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor, kv) -> None:
         """taps [N, n_taps*H] at absolute `positions` -> draft K/V of every layer at `slot_mapping`."""
@@ -55,13 +55,10 @@ class DFlashDraftModel(nn.Module):
         ctx = F.rms_norm(self.fc.fast(taps), norm.weight.shape, norm.weight, norm.eps)
         kv_rows = self.ctx_kv_packed(ctx).view(t, n_layers, 2, nkv, d)
         k, v = kv_rows[:, :, 0], kv_rows[:, :, 1]  # [T, L, KV, D]
-        if attn.k_norm is not None:  # each layer's k_norm: F.rms_norm's math, weights [L, 1, D]
-            w = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])[:, None, :]
-            k = k * torch.rsqrt(k.square().mean(-1, keepdim=True).add_(attn.eps)) * w
-        cos, sin = self.rotary(positions, k.dtype)
-        cos, sin = cos[:, None, None], sin[:, None, None]
-        k1, k2 = k.chunk(2, dim=-1)
-        k = k * cos + torch.cat((-k2, k1), dim=-1) * sin
+        if attn.k_norm is not None:  # every layer's k_norm at once: weights [L, 1, D]
+            k = rms_norm_heads(k, self.ctx_k_norm_weight, attn.eps)
+        cos, sin_signed = fast_rope_tables(*self.rotary(positions, k.dtype))  # [T, 1, D]
+        k = fast_rope(k, cos[:, None], sin_signed[:, None])
         for i, (k_cache, v_cache) in enumerate(kv.draft):
             write_kv(k_cache, v_cache, k[:, i], v[:, i], slot_mapping)
 

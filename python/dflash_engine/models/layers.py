@@ -264,10 +264,9 @@ class DecoderLayer(nn.Module):
         t, nh, nkv, d = qkv.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         v = qkv[:, attn.q_size + attn.kv_size:].view(t, nkv, d)
         qk = qkv[:, :attn.q_size + attn.kv_size].view(t, nh + nkv, d)
-        if q_norm is not None:  # q_norm and k_norm at once (F.rms_norm's math, per-head weights)
-            w = torch.cat((q_norm.weight.expand(nh, d), k_norm.weight.expand(nkv, d)))
-            qk = qk * torch.rsqrt(qk.square().mean(-1, keepdim=True).add_(attn.eps)) * w
-        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin_signed)  # neox RoPE on q and k together
+        if q_norm is not None:  # q_norm and k_norm at once
+            qk = rms_norm_heads(qk, torch.cat((q_norm.weight.expand(nh, d), k_norm.weight.expand(nkv, d))), attn.eps)
+        qk = fast_rope(qk, cos, sin_signed)  # q and k together
         q, k = qk[:, :nh], qk[:, nh:]
         k_cache, v_cache = kv_layer
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -277,6 +276,17 @@ class DecoderLayer(nn.Module):
         h = F.rms_norm(residual, w2.shape, w2, eps2)
         gate, up = gate_up_proj.fast(h).chunk(2, dim=-1)
         return down_proj.fast(F.silu(gate).mul_(up)), residual
+
+
+def rms_norm_heads(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """F.rms_norm's math over the last dim of x [..., heads, D] with a weight per head
+    ([heads, D], broadcast): several norms (q_norm and k_norm, or every layer's k_norm) in one."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps)) * weight
+
+
+def fast_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Neox RoPE of x [..., D] with `fast_rope_tables`' cos and sin_signed (broadcast against x)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 def fast_rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
