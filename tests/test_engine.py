@@ -195,6 +195,47 @@ def test_text_prompts_chat_and_stop_strings(qwen3_dir):
     )
 
 
+def test_detokenize_off_and_final_only_outputs(qwen3_dir):
+    """detokenize=False (vLLM's name): the same tokens, no text, and stop strings refused by
+    name; final_only requests (LLM.generate's) are reported once, when they finish, while
+    the others stream an output per step."""
+    llm = LLM(model=str(qwen3_dir), device="cpu")
+    ps = prompts(4, seed=3)
+    with_text = llm.generate(ps, GREEDY, use_tqdm=False)
+    ids_only = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False),
+                            use_tqdm=False)
+    assert tokens(ids_only) == tokens(with_text) and all(len(t) == 24 for t in tokens(ids_only))
+    assert all(o.outputs[0].text == "" for o in ids_only) and any(o.outputs[0].text for o in with_text)
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    eng = llm.engine
+    eng.add_request("final", ps[0]["prompt_token_ids"], GREEDY, final_only=True)
+    eng.add_request("stream", ps[1]["prompt_token_ids"], GREEDY)
+    seen: dict[str, list] = {"final": [], "stream": []}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out)
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert seen["final"][0].outputs[0].token_ids == with_text[0].outputs[0].token_ids
+    assert len(seen["stream"]) > 1 and seen["stream"][-1].outputs[0].token_ids == with_text[1].outputs[0].token_ids
+
+
+def test_abort_unstarted_drops_only_queued_requests(qwen3_dir):
+    """A batch job's deadline: requests never scheduled are aborted, the running ones finish
+    with their full output."""
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=2)
+    eng, ps = llm.engine, prompts(6, seed=4)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p["prompt_token_ids"], GREEDY, final_only=True)
+    done = {o.request_id: o for o in eng.step() + eng.step()}
+    dropped = eng.abort_unstarted()
+    assert sorted(dropped) == ["2", "3", "4", "5"]
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step()})
+    assert sorted(done) == ["0", "1"] and all(len(done[r].outputs[0].token_ids) == 24 for r in done)
+    assert eng.abort_unstarted() == []
+
+
 # ---- with a draft that agrees with the target often (accepted lengths 0, partial, full) ----
 
 def held_out_prompts(n: int) -> list[dict]:

@@ -98,16 +98,16 @@ def test_stdlib_code_prompts_reuse_functions_under_other_templates_and_their_cod
 
 
 def test_build_dataset_stops_at_its_deadline(tmp_path, qwen3_dir):
-    """A deadline already past: the first chunk (8 x gen_batch prompts) is answered, no more,
-    and the cache holds those samples."""
+    """A deadline already past: the prompts of the first step (gen_batch of them) are
+    answered, the queued ones dropped, and the cache holds those samples."""
     import time
 
     from dflash_engine.train_draft import DataConfig, build_dataset
 
-    cfg = DataConfig(samples=24, max_len=96, response_tokens=12, gen_batch=1, code_fraction=1.0)
+    cfg = DataConfig(samples=24, max_len=96, response_tokens=12, gen_batch=2, code_fraction=1.0)
     samples, info = build_dataset(qwen3_dir, tmp_path, cfg, block_size=BLOCK, device="cpu",
                                   deadline=time.monotonic(), log=lambda *_: None)
-    assert 0 < len(samples) <= 8 and info["cached"] is False
+    assert 0 < len(samples) <= 2 and info["cached"] is False
     again, info2 = build_dataset(qwen3_dir, tmp_path, cfg, block_size=BLOCK, device="cpu", log=lambda *_: None)
     assert info2["cached"] is True and again == samples
 
@@ -270,7 +270,7 @@ def test_init_from_starts_from_another_drafts_weights(run):
         assert cli_main(_args(run.target, same, "--steps", "0", "--data-dir", data_dir,
                               "--init-from", str(run.out))) == 0
         assert cli_main(_args(run.target, longer, "--steps", "5", "--eval-every", "1", "--data-dir", data_dir,
-                              "--init-from", str(run.out))) == 0
+                              "--lr", "1e-5", "--init-from", str(run.out))) == 0  # (a small step: still near)
     with safe_open(str(run.out / "model.safetensors"), framework="pt") as a, \
             safe_open(str(same / "model.safetensors"), framework="pt") as b:
         assert set(a.keys()) == set(b.keys())  # noqa: SIM118
@@ -307,3 +307,67 @@ def test_held_out_split_is_by_content_and_stable_under_more_data():
     assert not {str(x) for x in held_a} & {str(x) for x in train_a}
     tiny_train, tiny_held = split_held_out(base[:24], 0.05)
     assert len(tiny_held) == 4 and len(tiny_train) == 20
+
+
+def test_code_source_all_adds_the_installed_packages():
+    """--code-source all: functions from site-packages too (read as source, never imported);
+    stdlib-only stays the default."""
+    from dflash_engine.train_draft import code_roots
+
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    assert code_roots("stdlib") == [Path(sysconfig.get_paths()["stdlib"])]
+    assert purelib in code_roots("all")
+    with pytest.raises(ValueError, match="code source"):
+        code_roots("pypi")
+    funcs = stdlib_functions(limit=300, seed=0, source="all")
+    packages = [f for f in funcs if f["origin"] == "package"]
+    assert len(packages) > len(funcs) // 4  # site-packages holds most of the functions
+    f = packages[0]
+    path = purelib / (f["module"].replace(".", "/") + ".py")
+    if not path.is_file():
+        path = purelib / f["module"].replace(".", "/") / "__init__.py"
+    assert f"def {f['name']}(" in path.read_text(encoding="utf-8")
+    assert not any(".tests." in f["module"] or f["module"].startswith("test") for f in funcs)
+
+
+def test_self_written_code_requests_start_with_their_leads(qwen3_dir):
+    """Code requests the target writes itself: each begins with one of the leads, open code
+    blocks are closed, and they are distinct."""
+    from dflash_engine.train_draft import CODE_LEADS, self_written_prompts
+
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=16)
+    leads = CODE_LEADS[:2] + ["Complete the following Python function.\n\n```python\ndef "]
+    out = self_written_prompts(llm, 9, seed=5, max_tokens=12, leads=leads)
+    assert len(out) == len(set(out)) > 0
+    assert all(any(p.startswith(lead.strip()) for lead in leads) for p in out)
+    assert all(p.count("```") % 2 == 0 for p in out)
+    assert {next(lead for lead in leads if p.startswith(lead.strip())) for p in out} == set(leads)
+
+
+def test_data_shards_split_the_prompts_and_gen_workers_join_them(tmp_path, qwen3_dir):
+    """--data-shard i/N answers every N-th prompt of the seed's list (the shards partition
+    it); --gen-workers N runs the N shards in processes of their own and trains on all of them."""
+    from dflash_engine.train_draft import DataConfig, build_dataset
+
+    def data(shard: int, n: int):
+        cfg = DataConfig(samples=12, max_len=400, response_tokens=8, gen_batch=8, code_fraction=1.0,
+                         shard=shard, num_shards=n)
+        return build_dataset(qwen3_dir, tmp_path / "d", cfg, block_size=BLOCK, device="cpu", log=lambda *_: None)[0]
+
+    whole = {tuple(x.prompt_ids) for x in data(0, 1)}
+    a, b = ({tuple(x.prompt_ids) for x in data(i, 2)} for i in (0, 1))
+    assert a and b and not a & b and a | b == whole
+    with pytest.raises(ValueError, match="shard"):
+        data(2, 2)
+    out = tmp_path / "workers"
+    assert cli_main(_args(qwen3_dir, out, "--steps", "2", "--code-fraction", "0.5", "--self-code-fraction", "0.25",
+                          "--gen-workers", "2")) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    files = sorted((out / "data").glob("samples-*.jsonl"))
+    assert len(files) == 2
+    per_file = [sum(1 for line in f.read_text().splitlines() if line) for f in files]
+    res = report["result"]
+    assert res["num_train"] + res["num_held_out"] == sum(per_file) and min(per_file) > 0
+    sources = {json.loads(line)["source"] for f in files for line in f.read_text().splitlines() if line}
+    assert sources == {"self", "self-code", "stdlib"}
+    assert cli_main(_args(qwen3_dir, out, "--data-shard", "2/2", "--data-only")) == 2

@@ -135,10 +135,13 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        final_only: bool = False,
     ) -> None:
         """Queue a request. Bad input raises `_core.RequestRejectedError` (a ValueError with
-        `.param`) or the sampling parameters' own error; a live id `DuplicateRequestError`."""
+        `.param`) or the sampling parameters' own error; a live id `DuplicateRequestError`.
+        final_only: step() reports this request once, when it finishes (no per-step outputs;
+        `LLM.generate` asks for that, as vLLM's offline API does)."""
         vocab = self.model_config.vocab_size
         try:
             ids = [int(t) for t in prompt_token_ids]
@@ -156,7 +159,8 @@ class LLMEngine:
         handle = self.scheduler.add_request(request_id, np.asarray(ids, np.int64), max_tokens, sorted(stops))
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
         self._requests[handle] = RequestState(
-            request_id, handle, prompt, ids, params, seed & ((1 << 63) - 1), self.tokenizer
+            request_id, handle, prompt, ids, params, seed & ((1 << 63) - 1),
+            self.tokenizer if params.detokenize else None, final_only=final_only,
         )
         self._stats.prompt_tokens += len(ids)
 
@@ -170,6 +174,16 @@ class LLMEngine:
                 return None
         self._absorb_pending(handle)
         return self._finish(handle, "abort")
+
+    def abort_unstarted(self) -> list[str]:
+        """Abort every request still waiting for its first step (never scheduled); the others
+        run on. Returns their ids (a batch job's deadline: what has started finishes, nothing
+        new starts)."""
+        ids = [r.request_id for h, r in list(self._requests.items())
+               if not r.token_ids and self.scheduler.request_state(h)[0] == "waiting"]
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -333,7 +347,10 @@ class LLMEngine:
                 if reason is None:
                     self.scheduler.finish(h, "stop")
                 reason = "stop"
-            outputs.append(self._finish(h, reason) if reason else req.output())
+            if reason:
+                outputs.append(self._finish(h, reason))
+            elif not req.final_only:
+                outputs.append(req.output())
         return outputs
 
     def _pending_handle(self, request_id: str) -> int | None:

@@ -92,7 +92,7 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 text, ids = self._tokenize(prompt)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, p, prompt=text)
+                self.engine.add_request(rid, ids, p, prompt=text, final_only=True)
                 order.append(rid)
         except Exception:
             for rid in order:  # all or nothing: no half-submitted batch lingers in the engine

@@ -23,6 +23,7 @@ class RequestState:
         params: SamplingParams,
         seed: int,
         tokenizer: Tokenizer | None,
+        final_only: bool = False,
     ):
         self.request_id = request_id
         self.handle = handle
@@ -31,6 +32,7 @@ class RequestState:
         self.params = params
         self.seed = seed
         self.token_ids: list[int] = []
+        self.final_only = final_only  # no per-step outputs: one when it finishes
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (set by the engine)
         self.text = ""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None

@@ -50,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
+    detokenize: bool = True  # False: token ids only (output text ""; no stop strings)
     stop_list: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -125,6 +126,10 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in ids]
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", f"detokenize must be a boolean, got {self.detokenize!r}")
+        if not self.detokenize and self.stop_list:
+            raise bad("stop", "stop strings need detokenize=True (they are matched in the text)")
         if self.seed is not None:
             self.seed = integer("seed", self.seed)
 

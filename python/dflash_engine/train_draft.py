@@ -52,7 +52,7 @@ import sysconfig
 import textwrap
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-DATA_VERSION = 2  # bump when the data recipe changes (invalidates cached data)
+DATA_VERSION = 3  # bump when the data recipe changes (invalidates cached data)
 _SENTINEL = "\u2063SENTINEL\u2063"
 
 
@@ -102,28 +102,57 @@ def _docstring_block(doc: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else _docstring_summary(text, max_chars)
 
 
+CODE_SOURCES = ("stdlib", "all")
+
+
+def code_roots(source: str = "stdlib") -> list[Path]:
+    """Where code prompts come from: "stdlib" (Python's standard library) or "all" (the
+    standard library and the installed packages: site-packages, read as source, no import)."""
+    if source not in CODE_SOURCES:
+        raise ValueError(f"code source must be one of {', '.join(CODE_SOURCES)}, got {source!r}")
+    paths = sysconfig.get_paths()
+    roots = [Path(paths["stdlib"])]
+    if source == "all":
+        roots += sorted({Path(paths[k]) for k in ("purelib", "platlib") if Path(paths[k]).is_dir()})
+    return roots
+
+
+def _source_files(root: Path, packages: bool) -> list[tuple[Path, str]]:
+    """(file, module name) of the .py files under root, without test suites and tooling."""
+    skip = {"test", "tests", "testing", "idlelib", "lib2to3", "ensurepip", "turtledemo", "tkinter",
+            "__pycache__", "_vendor", "vendored", "_vendored"}
+    if not packages:
+        skip |= {"site-packages", "dist-packages"}
+    out = []
+    for p in root.rglob("*.py"):
+        parts = p.relative_to(root).parts
+        if any(part in skip or part.startswith("config-") or part.endswith(".dist-info") for part in parts):
+            continue
+        out.append((p, ".".join(Path(*parts).with_suffix("").parts).removesuffix(".__init__")))
+    return sorted(out)
+
+
 def stdlib_functions(limit: int, seed: int, max_doc_chars: int = 300, private: bool = False,
-                     full_doc_chars: int = 700) -> list[dict[str, str]]:
-    """Functions with a docstring from Python's standard-library sources (ast, no import):
-    {"module", "name", "signature", "doc" (first paragraph, one line), "doc_block" (the
+                     full_doc_chars: int = 700, source: str = "stdlib") -> list[dict[str, str]]:
+    """Functions with a docstring from Python sources read with ast (no import), those of the
+    standard library (`source` "stdlib") or of it and the installed packages ("all"):
+    {"module", "origin" ("stdlib" or "package"), "name", "signature", "doc" (first paragraph,
+    one line), "doc_block" (the
     docstring's leading paragraphs with their lines), "head" (the first body statements after
     the docstring, source text)}. Public ones only unless `private`. Files are visited in a
     seeded order until `limit` functions are found; test suites and tooling packages are
     skipped."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip",
-            "turtledemo", "tkinter", "__pycache__", "config-3"}
-    files = sorted(p for p in root.rglob("*.py")
-                   if not any(part in skip or part.startswith("config-") for part in p.relative_to(root).parts))
+    roots = code_roots(source)
+    files = [(*f, "stdlib" if i == 0 else "package") for i, root in enumerate(roots)
+             for f in _source_files(root, packages=i > 0)]
     random.Random(seed).shuffle(files)
     out: list[dict[str, str]] = []
-    for path in files:
+    for path, module, origin in files:
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError, RecursionError):
             continue
-        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -135,7 +164,8 @@ def stdlib_functions(limit: int, seed: int, max_doc_chars: int = 300, private: b
             args = ast.unparse(node.args)
             ret = f" -> {ast.unparse(node.returns)}" if node.returns is not None else ""
             head = _body_head(source, node.body[1:3])  # after the docstring
-            out.append({"module": module, "name": node.name, "signature": f"def {node.name}({args}){ret}:",
+            out.append({"module": module, "origin": origin, "name": node.name,
+                        "signature": f"def {node.name}({args}){ret}:",
                         "doc": _docstring_summary(doc, max_doc_chars),
                         "doc_block": _docstring_block(doc, full_doc_chars), "head": head})
         if len(out) >= limit:
@@ -174,13 +204,13 @@ _CODE_TEMPLATES = [
 ]
 
 
-def stdlib_code_prompts(n: int, seed: int) -> list[str]:
-    """`n` distinct code requests built from stdlib signatures and docstrings: every function
-    (public first, then private) under a seeded template, then again under other templates,
-    until `n` are made or the (function, template) pairs run out."""
+def stdlib_code_prompts(n: int, seed: int, source: str = "stdlib") -> list[str]:
+    """`n` distinct code requests built from signatures and docstrings (`stdlib_functions`,
+    of `source`): every function (public first, then private) under a seeded template, then
+    again under other templates, until `n` are made or the (function, template) pairs run out."""
     if n <= 0:
         return []
-    funcs = stdlib_functions(limit=max(n, 200), seed=seed, private=True)
+    funcs = stdlib_functions(limit=max(n, 200), seed=seed, private=True, source=source)
     seen, uniq = set(), []
     for f in funcs:
         if (f["name"], f["doc"]) not in seen:
@@ -223,26 +253,51 @@ def _normalise(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
+# Openings of the code requests the target writes itself (`self_written_prompts` with leads):
+# the target continues each into a task of its own, the way a user would ask for code.
+CODE_LEADS = [
+    "Write a Python function that",
+    "Write a Python function",
+    "Implement a function in Python that",
+    "Create a Python program that",
+    "Write a function that takes",
+    "Complete the following Python function.\n\n```python\ndef ",
+    "Complete the following Python function.\n\n```python\nfrom typing import List\n\n\ndef ",
+    "Fix the bug in this Python code:\n\n```python\n",
+    "What does this Python code do?\n\n```python\n",
+    "Write a Python class",
+    "Given a list of",
+    "Given a string",
+]
+
+
 def self_written_prompts(llm, n: int, seed: int, max_tokens: int = 64, temperature: float = 1.0,
-                         rounds: int = 4) -> list[str]:
-    """User turns the target writes itself (sampled under its chat template), deduplicated."""
+                         rounds: int = 4, leads: Sequence[str] = ("",)) -> list[str]:
+    """User turns the target writes itself (sampled under its chat template), deduplicated.
+    With `leads`, each turn starts with one of them (in turn) and the target writes the rest."""
     from .sampling_params import SamplingParams
 
     if n <= 0:
         return []
     tok = llm.get_tokenizer()
     prefix, stops = user_turn_prefix(tok)
-    prefix_ids = tok.encode(prefix, add_special_tokens=False)
+    lead_ids = [tok.encode(prefix + lead, add_special_tokens=False) for lead in leads]
     specials = [t for t in (tok.bos_token, tok.eos_token) if t]
     out: list[str] = []
     seen: set[str] = set()
     for r in range(rounds):
         want = math.ceil((n - len(out)) * 1.5) + 2
-        params = [SamplingParams(temperature=temperature, top_p=0.95, max_tokens=max_tokens, stop_token_ids=stops,
-                                 seed=seed * 1_000_003 + r * 100_003 + i) for i in range(want)]
-        outs = llm.generate([{"prompt_token_ids": prefix_ids}] * want, params, use_tqdm=False)
-        for o in outs:
-            text = o.outputs[0].text.strip()
+        which = [(r * want + i) % len(leads) for i in range(want)]
+        room = [llm.engine.max_model_len - len(lead_ids[j]) for j in which]
+        params = [SamplingParams(temperature=temperature, top_p=0.95, max_tokens=max(1, min(max_tokens, room[i])),
+                                 stop_token_ids=stops, seed=seed * 1_000_003 + r * 100_003 + i)
+                  for i in range(want)]
+        outs = llm.generate([{"prompt_token_ids": lead_ids[j]} for j in which], params, use_tqdm=False)
+        for o, j in zip(outs, which):
+            body = o.outputs[0].text
+            text = (leads[j] + body).strip()  # (the body is decoded in the lead's context)
+            if leads[j] and leads[j].count("```") % 2 and text.count("```") % 2:
+                text += "\n```"  # a code block the target left open
             key = _normalise(text)
             if len(key) < 8 or key in seen or any(s in text for s in specials):
                 continue
@@ -282,6 +337,46 @@ class DataConfig:
     held_out: float = 0.05  # fraction held out for the acceptance estimate (at least 4)
     seed: int = 0
     gen_batch: int = 64  # concurrent requests while generating
+    self_code_fraction: float = 0.0  # share of code requests the target writes itself (CODE_LEADS)
+    code_prompt_tokens: int = 160  # such a request, at most
+    code_source: str = "stdlib"  # code prompts from "stdlib" or "all" (stdlib + installed packages)
+    shard: int = 0  # this process answers prompts shard, shard + num_shards, ... (--data-shard)
+    num_shards: int = 1
+
+
+def answer_prompts(llm, convs: list[list[int]], sources: list[str], cfg: DataConfig, block_size: int,
+                   deadline: float | None, log=print) -> list[Sample]:
+    """The target's greedy answers to the chat-templated prompts `convs`, all queued at once
+    (the engine keeps cfg.gen_batch running); token ids only, one output per request. After
+    `deadline` no new prompt starts: the queued ones are dropped, the started ones finish.
+    Responses not longer than a block are dropped."""
+    from .sampling_params import SamplingParams
+
+    eng = llm.engine
+    order = list(range(len(convs)))
+    random.Random(cfg.seed + 3).shuffle(order)  # what a deadline keeps mixes the prompt sources
+    for i in order:
+        eng.add_request(str(i), convs[i], SamplingParams(
+            temperature=cfg.response_temperature, seed=cfg.seed + i, detokenize=False,
+            max_tokens=min(cfg.response_tokens, cfg.max_len - len(convs[i]))), final_only=True)
+    samples, dropped, tokens = [], 0, 0
+    t0 = last = time.monotonic()
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if not o.finished or o.outputs[0].finish_reason == "abort":
+                continue
+            out = list(o.outputs[0].token_ids)
+            tokens += len(out)
+            if len(out) > block_size:
+                samples.append(Sample(list(o.prompt_token_ids), out, sources[int(o.request_id)]))
+        now = time.monotonic()
+        if deadline is not None and now > deadline and not dropped:
+            dropped = len(eng.abort_unstarted()) or -1
+            log(f"data: deadline reached, {len(convs) - max(dropped, 0)} of {len(convs)} prompts started")
+        if now - last > 30:
+            last = now
+            log(f"data: {len(samples)} samples, {tokens / (now - t0):.0f} response tok/s")
+    return samples
 
 
 def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, block_size: int,
@@ -289,9 +384,11 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
                   ) -> tuple[list[Sample], dict[str, Any]]:
     """The training samples for `target`, generated once and cached in `data_dir` (a JSONL
     file named by a key of the target's fingerprint and `cfg`). Returns (samples, info).
-    deadline (time.monotonic()): no new chunk of prompts is started after it; the cache then
-    holds the samples answered so far (fewer than cfg.samples)."""
+    deadline (time.monotonic()): no new prompt is started after it; the cache then holds the
+    samples answered so far (fewer than cfg.samples). With cfg.num_shards > 1 this answers one
+    shard of the prompts (several processes can share a GPU, one shard each)."""
     from .llm import LLM
+    from .model_runner import resolve_device
 
     target, data_dir = Path(target), Path(data_dir)
     key = hashlib.sha256(json.dumps({"target": _fingerprint(target), "cfg": asdict(cfg), "block": block_size,
@@ -303,44 +400,38 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
         return samples, {"path": str(path), "key": key, "cached": True, "seconds": 0.0}
 
     t0 = time.perf_counter()
-    # half the GPU at most: the training that follows in this process needs the rest
+    if not 0 <= cfg.shard < cfg.num_shards:
+        raise ValueError(f"data shard {cfg.shard} is not in 0..{cfg.num_shards - 1}")
+    # A fixed KV pool (every request at full length, twice over): the training that follows in
+    # this process, or the other shards' processes on the same GPU, need the rest.
+    pages = 2 * cfg.gen_batch * (-(-cfg.max_len // 16) + 1) if resolve_device(device).type == "cuda" else None
     llm = LLM(model=str(target), device=device, max_num_seqs=cfg.gen_batch, max_model_len=cfg.max_len,
-              seed=cfg.seed, gpu_memory_utilization=0.5)
+              seed=cfg.seed, num_gpu_blocks_override=pages, max_num_batched_tokens=max(2048, 2 * cfg.gen_batch))
     tok = llm.get_tokenizer()
     if tok is None or tok.chat_template is None:
         raise ValueError(f"{target} has no tokenizer with a chat template; train-draft needs one")
+    # Every shard builds the whole prompt list of its seed and answers its own slice of it.
     n_code = round(cfg.samples * cfg.code_fraction)
-    code = stdlib_code_prompts(n_code, cfg.seed)
-    log(f"data: the target writes {cfg.samples - len(code)} user prompts (temperature {cfg.prompt_temperature})")
-    own = self_written_prompts(llm, cfg.samples - len(code), cfg.seed, cfg.prompt_tokens, cfg.prompt_temperature)
-    log(f"data: {len(own)} self-written prompts, {len(code)} stdlib code prompts")
-    prompts = [(p, "self") for p in own] + [(p, "stdlib") for p in code]
+    n_self_code = round(cfg.samples * cfg.self_code_fraction)
+    n_self = max(0, cfg.samples - n_code - n_self_code)
+    code = stdlib_code_prompts(n_code, cfg.seed, cfg.code_source)[cfg.shard::cfg.num_shards]
+    shard_seed = cfg.seed * 7919 + cfg.shard  # the self-written prompts of each shard differ
+    own = self_written_prompts(llm, -(-n_self // cfg.num_shards), shard_seed, cfg.prompt_tokens,
+                               cfg.prompt_temperature)
+    own_code = self_written_prompts(llm, -(-n_self_code // cfg.num_shards), shard_seed + 104729,
+                                    min(cfg.code_prompt_tokens, cfg.max_len // 3), cfg.prompt_temperature,
+                                    leads=CODE_LEADS)  # (a third of the context at most: room to answer)
+    log(f"data: {len(own)} self-written prompts, {len(own_code)} self-written code requests, "
+        f"{len(code)} {cfg.code_source} code prompts (shard {cfg.shard} of {cfg.num_shards})")
+    prompts = [(p, "self") for p in own] + [(p, "self-code") for p in own_code] + [(p, "stdlib") for p in code]
     convs, sources = [], []
     for text, source in prompts:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
         if len(ids) + block_size + 1 <= cfg.max_len:  # room for a response longer than a block
             convs.append(ids)
             sources.append(source)
-    from .sampling_params import SamplingParams
-
-    params = [SamplingParams(temperature=cfg.response_temperature, seed=cfg.seed + i,
-                             max_tokens=min(cfg.response_tokens, cfg.max_len - len(ids)))
-              for i, ids in enumerate(convs)]
     log(f"data: the target answers {len(convs)} prompts (at most {cfg.response_tokens} tokens each)")
-    # in chunks, so that a deadline ends the data with what is answered (a shorter dataset)
-    chunk = max(len(convs) if deadline is None else 8 * cfg.gen_batch, 1)
-    order = list(range(len(convs)))
-    random.Random(cfg.seed + 3).shuffle(order)  # every chunk mixes the prompt sources
-    samples = []
-    for start in range(0, len(order), chunk):
-        if deadline is not None and start and time.monotonic() > deadline:
-            log(f"data: deadline reached, {start} of {len(convs)} prompts answered")
-            break
-        rows = order[start: start + chunk]
-        outs = llm.generate([{"prompt_token_ids": convs[i]} for i in rows], [params[i] for i in rows],
-                            use_tqdm=True)
-        samples += [Sample(list(o.prompt_token_ids), list(o.outputs[0].token_ids), sources[i])
-                    for o, i in zip(outs, rows) if len(o.outputs[0].token_ids) > block_size]
+    samples = answer_prompts(llm, convs, sources, cfg, block_size, deadline, log)
     random.Random(cfg.seed + 2).shuffle(samples)
     del llm
     _free_device_memory()
@@ -597,6 +688,7 @@ class TrainConfig:
     gamma: float | None = None  # default: loss_gamma(block_size)
     eval_every: int = 200  # held-out acceptance estimate (0: only at the end)
     eval_anchors: int = 16  # per held-out sequence
+    eval_samples: int = 512  # held-out sequences scored (the same ones in every run: lowest hashes)
     save_every: int = 500  # checkpoints (0: only at the end)
     save_dtype: str = "bfloat16"  # of the exported weights (the engine casts to the target's dtype)
     # Target taps of every sample computed once and kept (on the training device) when they
@@ -648,8 +740,13 @@ class _Batches:
             ids[i, : lens[i]] = self.seqs[r]
         return ids.to(self.device), lens
 
+    @property
+    def num_cached(self) -> int:
+        """Samples 0..num_cached-1 have their taps kept (precompute_taps)."""
+        return 0 if self.taps is None else len(self.taps)
+
     def batch_taps(self, rows: Sequence[int]) -> Tensor | None:
-        if self.taps is None:
+        if self.taps is None or max(rows) >= len(self.taps):
             return None
         lens = [len(self.seqs[r]) for r in rows]
         out = self.taps[rows[0]].new_zeros(len(rows), max(lens), self.taps[rows[0]].shape[-1])
@@ -707,22 +804,29 @@ class DraftTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda)
         self.step = 0
 
-    def precompute_taps(self, batches: _Batches, chunk: int = 16) -> bool:
-        """Keep the target taps of every sample of `batches` when they fit the budget."""
+    def precompute_taps(self, batches: _Batches, chunk: int = 16) -> int:
+        """Keep the target taps of the leading samples of `batches` that fit the budget (all
+        of them when they fit); returns how many. Batches of the others compute their taps."""
         width = len(self.tap_layers) * self.target.config.hidden_size
         dtype = torch.bfloat16 if self.autocast else torch.float32
-        size = sum(len(x) for x in batches.seqs) * width * torch.finfo(dtype).bits // 8
-        if len(batches) == 0 or size > self.cfg.taps_cache_gib * (1 << 30):
-            return False
+        per_token = width * torch.finfo(dtype).bits // 8
+        budget, count = self.cfg.taps_cache_gib * (1 << 30), 0
+        for x in batches.seqs:
+            budget -= len(x) * per_token
+            if budget < 0:
+                break
+            count += 1
+        if count == 0:
+            return 0
         taps: list[Tensor] = []
-        for start in range(0, len(batches), chunk):
-            rows = list(range(start, min(start + chunk, len(batches))))
+        for start in range(0, count, chunk):
+            rows = list(range(start, min(start + chunk, count)))
             ids, lens = batches.padded(rows)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
                 t = dense_target_taps(self.target, ids, self.tap_layers).to(dtype)
             taps += [t[i, : lens[i]].clone() for i in range(len(rows))]
         batches.taps = taps
-        return True
+        return count
 
     def _blocks(self, ids: Tensor, anchors: Tensor, taps: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(hidden [N, A, B, H] of the blocks, labels [N, A, B-1])."""
@@ -752,7 +856,11 @@ class DraftTrainer:
 
     def train_step(self, batches: _Batches) -> tuple[float, int]:
         cfg = self.cfg
-        rows = torch.randperm(len(batches), generator=self.gen)[: min(cfg.batch_size, len(batches))].tolist()
+        n, m = len(batches), batches.num_cached
+        lo, hi = 0, n
+        if 0 < m < n:  # a batch of kept taps, or one that computes them, in proportion
+            lo, hi = (0, m) if float(torch.rand(1, generator=self.gen)) < m / n else (m, n)
+        rows = (lo + torch.randperm(hi - lo, generator=self.gen)[: min(cfg.batch_size, hi - lo)]).tolist()
         ids, anchors, weights, tokens = batches.make(rows, cfg.anchors_per_seq, self.gen)
         loss = self.loss(ids, anchors, weights, batches.batch_taps(rows))
         self.opt.zero_grad(set_to_none=True)
@@ -894,12 +1002,12 @@ def train(target: str | Path, out_dir: str | Path, samples: Sequence[Sample], cf
         log(f"weights initialised from {init_from}")
 
     train_b = _Batches(samples, cfg.block_size, dev)
-    held_b = _Batches(held_out, cfg.block_size, dev)
+    held_b = _Batches(sorted(held_out, key=_content_hash)[: cfg.eval_samples], cfg.block_size, dev)
     t_taps = time.perf_counter()
-    if trainer.precompute_taps(train_b):
-        trainer.precompute_taps(held_b)
-        log(f"target taps of {len(train_b) + len(held_b)} samples computed once "
-            f"({time.perf_counter() - t_taps:.1f}s)")
+    if kept := trainer.precompute_taps(train_b):
+        kept += trainer.precompute_taps(held_b)
+        log(f"target taps of {kept} of {len(train_b) + len(held_b)} samples computed once "
+            f"({time.perf_counter() - t_taps:.1f}s; the others' at each step)")
 
     def save_checkpoint() -> None:
         if not save_checkpoints:
@@ -996,6 +1104,24 @@ Serve: `dflash-engine serve {target} --speculative-config '{{"method": "dflash",
 """
 
 
+def run_data_workers(argv: list[str], workers: int) -> None:
+    """--gen-workers N: run this command once per data shard (--data-only --data-shard i/N) in
+    N processes at once and wait for them; each caches its shard, which this process then
+    reads. A worker that fails fails the command (its log is in the output)."""
+    import subprocess
+
+    base = list(argv)
+    while "--gen-workers" in base:  # drop "--gen-workers N" / "--gen-workers=N"
+        i = base.index("--gen-workers")
+        del base[i: i + 2]
+    base = [a for a in base if not a.startswith("--gen-workers=")]
+    procs = [subprocess.Popen([sys.executable, "-m", "dflash_engine.train_draft", *base, "--data-only",
+                               "--data-shard", f"{i}/{workers}"]) for i in range(workers)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"data workers exited with {codes}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflash-engine train-draft", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1014,7 +1140,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--max-len", type=int, default=512, help="prompt + response tokens")
     ap.add_argument("--response-tokens", type=int, default=384)
-    ap.add_argument("--code-fraction", type=float, default=0.5)
+    ap.add_argument("--code-fraction", type=float, default=0.5,
+                    help="share of code prompts built from Python sources (see --code-source)")
+    ap.add_argument("--self-code-fraction", type=float, default=0.0,
+                    help="share of code requests the target writes itself from a few openings "
+                         "(the rest of --samples: user turns it writes freely)")
+    ap.add_argument("--code-source", choices=CODE_SOURCES, default="stdlib",
+                    help="code prompts from the standard library, or from it and the installed packages (all)")
+    ap.add_argument("--data-shard", default=None, metavar="I/N",
+                    help="answer only shard I of N of the prompts (a data cache of its own)")
+    ap.add_argument("--gen-workers", type=int, default=1,
+                    help="generate the data in this many processes at once (one shard each, on the same "
+                         "GPU: the engine's step is host-bound for a small target), then train on all")
     ap.add_argument("--data-dir", default=None, help="data cache (default: OUT/data)")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=500)
@@ -1053,13 +1190,41 @@ def main(argv: list[str] | None = None) -> int:
     target = resolve_model_path(None if args.target in (None, "default") else args.target)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    shard, num_shards = 0, 1
+    if args.data_shard is not None:
+        try:
+            shard, num_shards = (int(x) for x in args.data_shard.split("/"))
+        except ValueError:
+            shard, num_shards = -1, 0
+        if not 0 <= shard < num_shards:
+            print(f"error: --data-shard must be I/N with 0 <= I < N, got {args.data_shard!r}", file=sys.stderr)
+            return 2
+    if args.gen_workers < 1 or (args.gen_workers > 1 and args.data_shard is not None):
+        print("error: --gen-workers must be >= 1, and is not combined with --data-shard", file=sys.stderr)
+        return 2
+    fractions = (args.code_fraction, args.self_code_fraction)
+    if min(fractions) < 0 or sum(fractions) > 1:
+        print("error: --code-fraction and --self-code-fraction must be >= 0 with a sum <= 1", file=sys.stderr)
+        return 2
     dcfg = DataConfig(samples=args.samples, code_fraction=args.code_fraction, max_len=args.max_len,
-                      response_tokens=args.response_tokens, seed=args.seed, gen_batch=args.gen_batch)
+                      response_tokens=args.response_tokens, seed=args.seed, gen_batch=args.gen_batch,
+                      self_code_fraction=args.self_code_fraction, code_source=args.code_source,
+                      shard=shard, num_shards=num_shards if args.gen_workers == 1 else args.gen_workers)
+    data_dir = Path(args.data_dir or out / "data")
+    if args.gen_workers > 1:
+        run_data_workers(argv, args.gen_workers)
     deadline = None if args.data_time_budget is None else time.monotonic() + args.data_time_budget
-    samples, info = build_dataset(target, args.data_dir or out / "data", dcfg, block_size=args.block_size,
+    samples, info = build_dataset(target, data_dir, dcfg, block_size=args.block_size,
                                   device=args.device, deadline=deadline)
+    for i in range(1, dcfg.num_shards if args.gen_workers > 1 else 1):  # the workers' shards (cached now)
+        more, more_info = build_dataset(target, data_dir, replace(dcfg, shard=i), block_size=args.block_size,
+                                        device=args.device)
+        samples = samples + more
+        info["key"] = hashlib.sha256(f"{info['key']}:{more_info['key']}".encode()).hexdigest()[:16]
+        info["seconds"] = max(info["seconds"], more_info["seconds"])
     if args.data_only:
-        print(f"data ready: {len(samples)} samples in {info['path']}")
+        print(f"data ready: {len(samples)} samples in {info['path']}" +
+              (f" and {dcfg.num_shards - 1} more shard files" if args.gen_workers > 1 else ""))
         return 0
     if args.extra_data:
         extra = [x for f in args.extra_data for x in read_samples(f, args.block_size)]
