@@ -336,7 +336,7 @@ def test_self_written_code_requests_start_with_their_leads(qwen3_dir):
     from dflash_engine.train_draft import CODE_LEADS, self_written_prompts
 
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=16)
-    leads = CODE_LEADS[:2] + ["Complete the following Python function.\n\n```python\ndef "]
+    leads = CODE_LEADS[:2] + ["Complete the following Python function.\n\n```python\ndef"]
     out = self_written_prompts(llm, 9, seed=5, max_tokens=12, leads=leads)
     assert len(out) == len(set(out)) > 0
     assert all(any(p.startswith(lead.strip()) for lead in leads) for p in out)

@@ -151,6 +151,7 @@ def stdlib_functions(limit: int, seed: int, max_doc_chars: int = 300, private: b
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
+            lines = source.splitlines(keepends=True)
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError, RecursionError):
             continue
         for node in ast.walk(tree):
@@ -163,7 +164,7 @@ def stdlib_functions(limit: int, seed: int, max_doc_chars: int = 300, private: b
                 continue
             args = ast.unparse(node.args)
             ret = f" -> {ast.unparse(node.returns)}" if node.returns is not None else ""
-            head = _body_head(source, node.body[1:3])  # after the docstring
+            head = _body_head(lines, node.body[1:3])  # after the docstring
             out.append({"module": module, "origin": origin, "name": node.name,
                         "signature": f"def {node.name}({args}){ret}:",
                         "doc": _docstring_summary(doc, max_doc_chars),
@@ -173,14 +174,26 @@ def stdlib_functions(limit: int, seed: int, max_doc_chars: int = 300, private: b
     return out
 
 
-def _body_head(source: str, stmts: list, max_lines: int = 8) -> str:
-    """The source of `stmts` dedented to column 0, at most `max_lines` lines ("" if longer)."""
+def _body_head(lines: list[str], stmts: list, max_lines: int = 8) -> str:
+    """The source of `stmts` (from the file's `lines`, split once per file) dedented to
+    column 0, at most `max_lines` lines ("" if longer)."""
     parts = []
     for st in stmts:
-        seg = ast.get_source_segment(source, st)
-        if seg is None:
+        if st.end_lineno is None or st.end_col_offset is None:
             return ""
-        parts.append(textwrap.dedent(" " * st.col_offset + seg))
+        if st.end_lineno - st.lineno >= max_lines:
+            return ""
+        seg = lines[st.lineno - 1: st.end_lineno]
+        if not seg:
+            return ""
+        # columns are UTF-8 byte offsets
+        first, last = seg[0].encode(), seg[-1].encode()
+        if len(seg) == 1:
+            seg = [first[st.col_offset: st.end_col_offset].decode(errors="replace")]
+        else:
+            seg = [first[st.col_offset:].decode(errors="replace"), *seg[1:-1],
+                   last[: st.end_col_offset].decode(errors="replace")]
+        parts.append(textwrap.dedent(" " * st.col_offset + "\n".join(s.rstrip("\r\n") for s in seg)))
     text = "\n".join(parts)
     return text if text.count("\n") < max_lines else ""
 
@@ -261,8 +274,8 @@ CODE_LEADS = [
     "Implement a function in Python that",
     "Create a Python program that",
     "Write a function that takes",
-    "Complete the following Python function.\n\n```python\ndef ",
-    "Complete the following Python function.\n\n```python\nfrom typing import List\n\n\ndef ",
+    "Complete the following Python function.\n\n```python\ndef",  # (no trailing space: BPE
+    "Complete the following Python function.\n\n```python\nfrom typing import List\n\n\ndef",  # joins it)
     "Fix the bug in this Python code:\n\n```python\n",
     "What does this Python code do?\n\n```python\n",
     "Write a Python class",
