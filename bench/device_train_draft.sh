@@ -5,7 +5,8 @@
 # of the call's time. Everything comes back in $OUT (at most 8 files of <16 MiB): the
 # safetensors split in parts (join: cat model.safetensors.part-* > model.safetensors), the
 # gzipped data, and meta.tgz (config, model card, report, logs, eval).
-#   Knobs: SAMPLES (8192), GEN_BATCH (256), CALL_BUDGET (seconds for the whole script, 540), DATA_ARGS (e.g.
+#   Knobs: SAMPLES (8192), GEN_BATCH (256), GEN_WORKERS (1: data processes sharing the GPU),
+#   DATA_ONLY (1: make the data and return it, no training), CALL_BUDGET (seconds for the whole script, 540), DATA_ARGS (e.g.
 #   "--seed 1 --code-fraction 0.6 --data-time-budget 170"), EXTRA (data files of
 #   earlier runs to train on as well, e.g. docs/... data.jsonl.gz), TRAIN_ARGS.
 set -o pipefail
@@ -13,8 +14,13 @@ T0=$(date +%s)
 source bench/device_env.sh
 D=/tmp/dev/draft; L=/tmp/logs; mkdir -p $L
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > $L/smi.txt
-COMMON="--out $D --samples ${SAMPLES:-8192} --gen-batch ${GEN_BATCH:-256} --max-len 512 --response-tokens 384 --no-progress ${DATA_ARGS:-}"
+COMMON="--out $D --samples ${SAMPLES:-8192} --gen-batch ${GEN_BATCH:-256} --gen-workers ${GEN_WORKERS:-1} --max-len 512 --response-tokens 384 --no-progress ${DATA_ARGS:-}"
 timeout ${DATA_TIMEOUT:-240} python3 -m dflash_engine.cli train-draft $COMMON --data-only 2>&1 | tee $L/data.log | grep -v Processed
+if [ "${DATA_ONLY:-0}" = 1 ]; then   # this call only makes data; a later call (same COMMON knobs) trains on it
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> $L/smi.txt
+    tar czf $OUT/meta.tgz -C $L .; cat $D/data/samples-*.jsonl | gzip -c | split -b 15m -d - $OUT/data.jsonl.gz.part-
+    ls -la $OUT $D/data; echo "total $(( $(date +%s) - T0 ))s"; exit 0
+fi
 QUICK_EVAL=${QUICK_EVAL:-1}   # 0: no quick HumanEval c=32 check (a later call evaluates)
 LEFT=$(( ${CALL_BUDGET:-540} - ($(date +%s) - T0) - (QUICK_EVAL ? 75 : 20) ))   # the eval and packing
 echo "training budget: ${LEFT}s"
@@ -26,6 +32,6 @@ timeout $(( LEFT + 60 )) python3 -m dflash_engine.cli train-draft $COMMON --step
     --max-tokens 256 --json $L/eval_c32.json 2>&1 | tee $L/eval.log | tail -4
 cp $D/config.json $D/README.md $D/train_report.json $L/ 2>/dev/null
 tar czf $OUT/meta.tgz -C $L .
-gzip -c $D/data/samples-*.jsonl > $OUT/data.jsonl.gz
+cat $D/data/samples-*.jsonl | gzip -c > $OUT/data.jsonl.gz
 split -b 15m -d $D/model.safetensors $OUT/model.safetensors.part-
 ls -la $OUT; echo "total $(( $(date +%s) - T0 ))s"

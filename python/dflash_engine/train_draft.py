@@ -77,7 +77,7 @@ def loss_gamma(block_size: int) -> float:
 class Sample:
     prompt_ids: list[int]  # the chat-templated prompt
     response_ids: list[int]  # the target's own response
-    source: str  # "self" (a user turn the target wrote) or "stdlib" (a code prompt)
+    source: str  # "self" / "self-code" (a user turn the target wrote), "stdlib" / "code" (Python sources)
 
     @property
     def ids(self) -> list[int]:
@@ -223,7 +223,7 @@ def stdlib_code_prompts(n: int, seed: int, source: str = "stdlib") -> list[str]:
     again under other templates, until `n` are made or the (function, template) pairs run out."""
     if n <= 0:
         return []
-    funcs = stdlib_functions(limit=max(n, 200), seed=seed, private=True, source=source)
+    funcs = stdlib_functions(limit=max(n // 2, 200), seed=seed, private=True, source=source)
     seen, uniq = set(), []
     for f in funcs:
         if (f["name"], f["doc"]) not in seen:
@@ -436,7 +436,7 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
                                     leads=CODE_LEADS)  # (a third of the context at most: room to answer)
     log(f"data: {len(own)} self-written prompts, {len(own_code)} self-written code requests, "
         f"{len(code)} {cfg.code_source} code prompts (shard {cfg.shard} of {cfg.num_shards})")
-    prompts = [(p, "self") for p in own] + [(p, "self-code") for p in own_code] + [(p, "stdlib") for p in code]
+    prompts = [(p, "self") for p in own] + [(p, "self-code") for p in own_code] + [(p, "stdlib" if cfg.code_source == "stdlib" else "code") for p in code]
     convs, sources = [], []
     for text, source in prompts:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
@@ -817,7 +817,7 @@ class DraftTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda)
         self.step = 0
 
-    def precompute_taps(self, batches: _Batches, chunk: int = 16) -> int:
+    def precompute_taps(self, batches: _Batches, chunk: int = 64) -> int:
         """Keep the target taps of the leading samples of `batches` that fit the budget (all
         of them when they fit); returns how many. Batches of the others compute their taps."""
         width = len(self.tap_layers) * self.target.config.hidden_size
