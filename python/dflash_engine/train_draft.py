@@ -418,8 +418,9 @@ def build_dataset(target: str | Path, data_dir: str | Path, cfg: DataConfig, *, 
     # A fixed KV pool (every request at full length, twice over): the training that follows in
     # this process, or the other shards' processes on the same GPU, need the rest.
     pages = 2 * cfg.gen_batch * (-(-cfg.max_len // 16) + 1) if resolve_device(device).type == "cuda" else None
-    llm = LLM(model=str(target), device=device, max_num_seqs=cfg.gen_batch, max_model_len=cfg.max_len,
-              seed=cfg.seed, num_gpu_blocks_override=pages, max_num_batched_tokens=max(2048, 2 * cfg.gen_batch))
+    llm = LLM(model=str(target), speculative_config=None, device=device, max_num_seqs=cfg.gen_batch,
+              max_model_len=cfg.max_len, seed=cfg.seed, num_gpu_blocks_override=pages,
+              max_num_batched_tokens=max(2048, 2 * cfg.gen_batch))  # (spec off: the answers are the same)
     tok = llm.get_tokenizer()
     if tok is None or tok.chat_template is None:
         raise ValueError(f"{target} has no tokenizer with a chat template; train-draft needs one")
