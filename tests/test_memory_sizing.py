@@ -137,7 +137,7 @@ def test_engine_report_matches_the_scheduler(qwen3_dir, random_draft_dir):
     (2048, 64, 16, 4096), (2048, 8, 4, 256), (40, 8, 4, 256), (7, 4, 1, 64), (300, 1, 4, 128), (10, 3, 4, 64)])
 def test_profile_plan_is_the_largest_step_and_stays_in_a_two_page_cache(num_tokens, max_num_seqs, b, max_model_len):
     page = 16
-    plan, st = _profile_plan(num_tokens, max_num_seqs, b, max_model_len, page, vocab_size=300)
+    plan, st = _profile_plan(num_tokens, max_num_seqs, b, b - 1, max_model_len, page, vocab_size=300)
     rows, reqs, n_dec = len(plan.input_ids), len(plan), plan.num_decode
     assert reqs <= max_num_seqs and n_dec <= max(0, max_num_seqs - 1)
     q = np.diff(plan.query_start_loc)

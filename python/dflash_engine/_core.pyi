@@ -89,6 +89,7 @@ class Scheduler:
         mask_token_id: int = 0,
         enable_prefix_caching: bool = True,
         draft_len_schedule: list[tuple[int, int]] = [],
+        draft_block_rows: int = 0,  # D: the draft's block (KV reserved for max(B, D) rows)
     ) -> None: ...
     def add_request(
         self, request_id: str, prompt_token_ids: _Ints, max_tokens: int, stop_token_ids: _Ints | None = None

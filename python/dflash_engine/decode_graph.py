@@ -88,7 +88,9 @@ class DecodeGraphRunner:
         self.buckets = batch_buckets(max_num_seqs)
         self.capture_buckets = self.buckets if capture_buckets is None else sorted(capture_buckets)
         self.max_bs = self.buckets[-1]
-        self.width = _core.pages_per_seq(max_model_len, runner.num_speculative_tokens, runner.page_size)
+        self.width = _core.pages_per_seq(max_model_len, runner.reserve_k, runner.page_size)
+        # D: the draft block's rows (draft_block.py), built on the device from the verify block.
+        self.d = max(self.b, runner.draft_rows) if runner.draft is not None else self.b
         on_gpu = self.device.type == "cuda"
         self.enforce_eager = enforce_eager or not on_gpu  # (CPU: the interpreter test mode)
         self.layout = _Layout(self.max_bs, self.b, self.width)
@@ -107,6 +109,11 @@ class DecodeGraphRunner:
         # Rows 1..B-1 of each block: where drafts go, and the draft rows whose logits are read.
         rows = torch.arange(n, device=dev).view(self.max_bs, self.b)[:, 1:]
         self.verify_rows = rows.reshape(-1).contiguous()
+        # Draft block layout when D > B: rows 1..B-1 of each D-row block are the proposals.
+        self.draft_arange = torch.arange(self.d, device=dev)
+        self.draft_qsl = (torch.arange(self.max_bs + 1, device=dev) * self.d).to(torch.int32)
+        self.proposal_rows = (torch.arange(self.max_bs, device=dev)[:, None] * self.d
+                              + torch.arange(1, self.b, device=dev)).reshape(-1).contiguous()
         self.out = torch.zeros(n + self.max_bs, dtype=torch.int64, device=dev)
         self.host_out = torch.zeros(n + self.max_bs, dtype=torch.int64, pin_memory=on_gpu)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -177,9 +184,27 @@ class DecodeGraphRunner:
     def _draft(self, bs: int, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft pass: [bonus, MASK...] blocks -> drafts [bs*(B-1)]; returns (verify ids, drafts)."""
         r = self.r
-        h = r.draft(r.target.embed(x["input_ids"]), x["positions"], self._meta(bs, x["slots"], False), r.kv)
         vrows = self.verify_rows[:bs * (self.b - 1)]
-        drafts = r.target.compute_logits(h[vrows]).argmax(-1)
+        if self.d == self.b:
+            h = r.draft(r.target.embed(x["input_ids"]), x["positions"], self._meta(bs, x["slots"], False), r.kv)
+            drafts = r.target.compute_logits(h[vrows]).argmax(-1)
+            return x["input_ids"].index_put((vrows,), drafts), drafts
+        # The draft's whole D-row block (draft_block.py, on the device): positions
+        # committed..committed+D-1, slots from the page table; padding requests (seq_len 0)
+        # write nowhere and attend to nothing.
+        b, d, ps = self.b, self.d, r.page_size
+        first = x["positions"].view(bs, b)[:, :1]
+        pos = first + self.draft_arange
+        live = self.seq_lens[:bs] > 0
+        pages = torch.gather(self.pages[:bs], 1, (pos // ps).clamp(max=self.width - 1)).long()
+        slots = torch.where(live[:, None], pages * ps + pos % ps, -1).reshape(-1)
+        ids = torch.cat([x["input_ids"].view(bs, b)[:, :1],
+                         torch.full((bs, d - 1), r.mask_token_id, dtype=torch.int64, device=pos.device)], 1)
+        seq_lens = torch.where(live, self.seq_lens[:bs] + (d - b), 0).to(torch.int32)
+        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=self.draft_qsl[:bs + 1], seq_lens=seq_lens,
+                                 page_tables=self.pages[:bs], causal=False, max_query_len=d)
+        h = r.draft(r.target.embed(ids.reshape(-1)), pos.reshape(-1), meta, r.kv)
+        drafts = r.target.compute_logits(h[self.proposal_rows[:bs * (b - 1)]]).argmax(-1)
         return x["input_ids"].index_put((vrows,), drafts), drafts
 
     def _verify(self, bs: int, x: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,7 @@ class LLMEngine:
             mask_token_id=self.runner.mask_token_id,
             enable_prefix_caching=config.enable_prefix_caching,
             draft_len_schedule=self.runner.draft_len_schedule,
+            draft_block_rows=self.runner.draft_rows,
         )
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.eos_token_ids = sorted(eos | set(self.model_config.eos_token_ids))

@@ -27,6 +27,7 @@ from .models import load_draft, load_target
 from .models.cpu_weights import pack_cpu_weights, pack_proposal_logits, resolve_cpu_weights, row_argmax
 from .ops.attention import AttentionMetadata
 from .decode_graph import DecodeGraphRunner
+from .draft_block import draft_block
 from .in_flight import InFlight
 from .ops.dispatch import use_kernels
 from .sampler import SamplingTensors, accept, sample, synthetic_accept
@@ -35,11 +36,6 @@ from .step_timer import StepTimer
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES_DEFAULT = 1 << 30
-# The fast CPU mode's default draft length. A CPU verify pass costs about linearly in its rows
-# (compute-bound past a few rows; the int4 GEMMs past 6), while the shipped draft's τ barely
-# grows with K: measured best at K = 3 (docs/perf.md, "CPU weight formats"). The exact mode's
-# GEMMs run 16-row blocks whatever K is, so it keeps the draft's full block.
-CPU_NUM_SPECULATIVE_TOKENS = 3
 # Budgeted for CUDA graphs on top of the measured decode step (module loads, workspaces).
 _GRAPH_SLACK_BYTES = 256 << 20
 
@@ -61,6 +57,7 @@ class ModelRunner:
         self.dtype = self.target.model.embed_tokens.weight.dtype
         self.draft = None
         self.num_speculative_tokens = 0
+        self.draft_rows = 0  # D: rows of the draft's block (draft_block.py); 0 without a draft
         self.draft_len_schedule: list[tuple[int, int]] = []  # (max decoding requests, k), ascending
         self.tap_layers: list[int] | None = None
         self.mask_token_id = 0
@@ -70,11 +67,8 @@ class ModelRunner:
                                     batch_invariant=cfg.batch_invariant)
             dcfg = self.draft.config
             n = spec.num_speculative_tokens
-            if n is None:  # the draft's block, or less for the fast CPU mode (CPU_NUM_SPECULATIVE_TOKENS)
+            if n is None:  # the draft's block
                 n = dcfg.block_size - 1
-                if (self.device.type == "cpu" and not cfg.batch_invariant and not spec.num_speculative_tokens_schedule
-                        and not spec.synthetic):
-                    n = min(n, CPU_NUM_SPECULATIVE_TOKENS)
             if n >= dcfg.block_size:
                 raise ValueError(
                     f"num_speculative_tokens ({n}) must be < the draft's block_size ({dcfg.block_size})"
@@ -84,6 +78,8 @@ class ModelRunner:
             if any(k > n for _, k in self.draft_len_schedule):
                 raise ValueError(f"num_speculative_tokens_schedule {self.draft_len_schedule}: every k must be "
                                  f"<= num_speculative_tokens ({n})")
+            # Every decode step drafts the draft's whole block (draft_block.py), verifies K.
+            self.draft_rows = dcfg.block_size
             self.tap_layers = list(dcfg.target_layer_ids)
             self.mask_token_id = dcfg.mask_token_id
         # The fast CPU mode's packed GEMM weights (models/cpu_weights.py).
@@ -192,7 +188,7 @@ class ModelRunner:
         proves at startup that the largest step fits)."""
         report = MemoryReport(
             device=self.device.type, num_pages=0, page_size=self.page_size, bytes_per_page=self.bytes_per_page,
-            max_model_len=max_model_len, num_speculative_tokens=self.num_speculative_tokens,
+            max_model_len=max_model_len, num_speculative_tokens=self.reserve_k,
             max_num_seqs=cfg.max_num_seqs, source="",
         )
         if self.device.type == "cuda":
@@ -235,7 +231,7 @@ class ModelRunner:
         Reads and writes stay inside the temporary cache (`_profile_plan`; the decode step
         runs padding requests only); the real pool, if any, is left untouched."""
         plan, st = _profile_plan(self.max_num_batched_tokens, max_num_seqs, self.num_speculative_tokens + 1,
-                                 max_model_len, self.page_size, self.model_config.vocab_size)
+                                 self.reserve_k, max_model_len, self.page_size, self.model_config.vocab_size)
         if report is not None:
             report.profile_tokens, report.profile_sample_rows = len(plan.input_ids), len(plan.sample_rows)
         real_kv = getattr(self, "kv", None)
@@ -265,6 +261,11 @@ class ModelRunner:
         fn()
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_reserved(self.device) - base
+
+    @property
+    def reserve_k(self) -> int:
+        """KV rows past a request's last token, less one: max(K, D - 1) (pages_per_seq's K)."""
+        return max(self.num_speculative_tokens, self.draft_rows - 1)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         # Plan arrays are read-only numpy: copy rather than alias them.
@@ -312,12 +313,11 @@ class ModelRunner:
         draft_tokens = None
         n_dec = plan.num_decode
         if self.draft is not None and n_dec:
-            meta = self._meta(plan.draft_slot_mapping, plan.draft_query_start_loc, plan.draft_seq_lens,
-                              plan.draft_page_tables, causal=False)
-            h = self.draft(self.target.embed(self._t(plan.draft_input_ids)), self._t(plan.draft_positions), meta, self.kv)
-            verify_rows = self._t(plan.verify_target_rows)  # the draft rows 1..B-1 of each block
-            draft_tokens = self.target.propose(h[verify_rows])
-            input_ids = input_ids.index_put((verify_rows,), draft_tokens)
+            blk = draft_block(plan, self.draft_rows, self.mask_token_id, self.page_size)
+            meta = self._meta(blk.slot_mapping, blk.query_start_loc, blk.seq_lens, blk.page_tables, causal=False)
+            h = self.draft(self.target.embed(self._t(blk.input_ids)), self._t(blk.positions), meta, self.kv)
+            draft_tokens = self.target.propose(h[self._t(blk.proposal_rows)])  # rows 1..K of each block
+            input_ids = input_ids.index_put((self._t(plan.verify_target_rows),), draft_tokens)
 
         positions = self._t(plan.positions)
         slots = self._t(plan.slot_mapping)
@@ -354,7 +354,7 @@ class _ProfilePlan(SimpleNamespace):
         return len(self.seq_lens)
 
 
-def _profile_plan(num_tokens: int, max_num_seqs: int, b: int, max_model_len: int, page_size: int,
+def _profile_plan(num_tokens: int, max_num_seqs: int, b: int, reserve_k: int, max_model_len: int, page_size: int,
                   vocab_size: int) -> tuple[_ProfilePlan, dict[str, np.ndarray]]:
     """The largest eager step the scheduler can plan, as a step plan for a 2-page KV cache.
 
@@ -375,7 +375,7 @@ def _profile_plan(num_tokens: int, max_num_seqs: int, b: int, max_model_len: int
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     seq_lens = np.full(r, max_model_len, np.int32)
     positions = np.concatenate([np.arange(max_model_len - q, max_model_len) for q in q_lens]).astype(np.int64)
-    width = _core.pages_per_seq(max_model_len, b - 1, page_size)
+    width = _core.pages_per_seq(max_model_len, reserve_k, page_size)
     tables = np.zeros((r, width), np.int32)
     sample_rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) if i < n_dec else [qsl[i + 1] - 1]
                                   for i in range(r)]).astype(np.int64)

@@ -285,7 +285,7 @@ impl PyScheduler {
     #[new]
     #[pyo3(signature = (*, num_pages, page_size, max_num_seqs, max_num_batched_tokens, max_model_len,
                         num_speculative_tokens = 0, mask_token_id = 0, enable_prefix_caching = true,
-                        draft_len_schedule = Vec::new()))]
+                        draft_len_schedule = Vec::new(), draft_block_rows = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_pages: usize,
@@ -297,6 +297,7 @@ impl PyScheduler {
         mask_token_id: u32,
         enable_prefix_caching: bool,
         draft_len_schedule: Vec<(usize, usize)>,
+        draft_block_rows: usize,
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
             num_pages,
@@ -308,6 +309,7 @@ impl PyScheduler {
             mask_token_id,
             enable_prefix_caching,
             draft_len_schedule,
+            draft_block_rows,
         };
         Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py)? })
     }

@@ -68,12 +68,23 @@ pub struct SchedulerConfig {
     /// n <= max_decoding (past the last pair: its k). Empty: always `num_speculative_tokens`.
     /// Every k is in 1..=num_speculative_tokens (the KV reservation is sized for the largest).
     pub draft_len_schedule: Vec<(usize, usize)>,
+    /// D: rows of the draft's block (its trained block size), 0 for B. A decode step drafts
+    /// a block of D rows (scratch KV at committed..committed+D-1) and verifies the first K
+    /// of its proposals: a draft proposes much worse in a block shorter than it was trained
+    /// on. KV is reserved for max(B, D) rows past the last token.
+    pub draft_block_rows: usize,
 }
 
 impl SchedulerConfig {
     /// B: rows of the largest verify block (what admission reserves KV for).
     pub fn block_rows(&self) -> usize {
         self.num_speculative_tokens + 1
+    }
+
+    /// Rows a decode step writes past `committed` (the verify block, or the longer draft
+    /// block): what admission and every decode step reserve KV for.
+    pub fn reserve_rows(&self) -> usize {
+        self.block_rows().max(self.draft_block_rows)
     }
 
     /// B of a step with `num_decoding` decoding requests (the draft-length schedule).
@@ -109,6 +120,13 @@ impl SchedulerConfig {
             return bad(format!(
                 "draft_len_schedule entry ({n}, {k}): k must be in 1..={}",
                 self.num_speculative_tokens
+            ));
+        }
+        if self.draft_block_rows != 0 && (self.num_speculative_tokens == 0 || self.draft_block_rows < self.block_rows()) {
+            return bad(format!(
+                "draft_block_rows ({}) needs speculation and must be >= num_speculative_tokens + 1 ({})",
+                self.draft_block_rows,
+                self.block_rows()
             ));
         }
         if self.max_num_batched_tokens < self.block_rows() {
@@ -256,7 +274,7 @@ impl Scheduler {
                 self.cfg.max_model_len
             ));
         }
-        let pages = pages_per_seq(total, self.cfg.block_rows(), self.cfg.page_size);
+        let pages = pages_per_seq(total, self.cfg.reserve_rows(), self.cfg.page_size);
         if pages > self.pool.num_usable() {
             return reject(Param::Prompt, format!(
                 "needs {pages} KV pages at full length but the pool has {}",
@@ -353,7 +371,9 @@ impl Scheduler {
                 p => unreachable!("{} request in running", p.name()),
             };
             let rows = kind.num_rows(b);
-            let need_tokens = req.num_computed() + rows;
+            // A decode step's draft block may reach past its verify block (draft_block_rows).
+            let reach = if matches!(kind, EntryKind::Decode { .. }) { rows.max(self.cfg.draft_block_rows) } else { rows };
+            let need_tokens = req.num_computed() + reach;
             if rows == 0 || rows > budget {
                 i += 1;
                 continue;

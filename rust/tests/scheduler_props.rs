@@ -99,6 +99,8 @@ struct Harness {
     content: HashMap<i64, Option<Vec<u32>>>,
     next_id: u64,
     b: usize,
+    /// Rows a decode step reserves past `committed`: max(B, the draft block D).
+    reserve: usize,
     ps: usize,
 }
 
@@ -143,8 +145,8 @@ impl Harness {
             Err(CoreError::Rejected { .. }) => {
                 let cfg = self.s.config();
                 let too_long = prompt_len + max_tokens > cfg.max_model_len;
-                let too_big = (prompt_len + max_tokens + self.b).div_ceil(cfg.page_size) > cfg.num_pages - 1;
-                assert_eq!(too_big, pages_per_seq(prompt_len + max_tokens, self.b, cfg.page_size) > cfg.num_pages - 1);
+                let too_big = (prompt_len + max_tokens + self.reserve).div_ceil(cfg.page_size) > cfg.num_pages - 1;
+                assert_eq!(too_big, pages_per_seq(prompt_len + max_tokens, self.reserve, cfg.page_size) > cfg.num_pages - 1);
                 assert!(prompt_len == 0 || too_long || too_big, "rejected a request that fits");
             }
             Err(e) => panic!("unexpected {e}"),
@@ -223,7 +225,9 @@ impl Harness {
                     let decoding = before.values().filter(|(ph, _)| matches!(ph, Phase::Decoding)).count();
                     assert_eq!(plan.block_rows, self.s.config().block_rows_for(decoding));
                     assert!(plan.block_rows <= self.b && e.num_samples == plan.block_rows);
+                    // The verify block and the (possibly longer) draft block's scratch rows.
                     assert!(r.pages().capacity() >= committed + plan.block_rows);
+                    assert!(r.pages().capacity() >= committed + self.s.config().draft_block_rows);
                     assert_eq!(before[&e.handle], (Phase::Decoding, committed));
                     committed
                 }
@@ -378,10 +382,18 @@ impl Harness {
 }
 
 fn run(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize, weak_hash: bool) {
-    run_with(ops, num_pages, k, budget, weak_hash, Vec::new())
+    run_with(ops, num_pages, k, budget, weak_hash, Vec::new(), 0)
 }
 
-fn run_with(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize, weak_hash: bool, schedule: Vec<(usize, usize)>) {
+fn run_with(
+    ops: Vec<Op>,
+    num_pages: usize,
+    k: usize,
+    budget: usize,
+    weak_hash: bool,
+    schedule: Vec<(usize, usize)>,
+    draft_block_rows: usize,
+) {
     let cfg = SchedulerConfig {
         num_pages,
         page_size: 4,
@@ -392,13 +404,15 @@ fn run_with(ops: Vec<Op>, num_pages: usize, k: usize, budget: usize, weak_hash: 
         mask_token_id: 1,
         enable_prefix_caching: true,
         draft_len_schedule: schedule,
+        draft_block_rows,
     };
     let s = Scheduler::new(cfg).unwrap();
     if weak_hash {
         // Four hash values in all: nearly every lookup and publication meets a collision.
         s.pool().set_hash_fn(|_, parent, toks| (parent + toks.iter().map(|&t| t as u64).sum::<u64>()) % 4);
     }
-    let mut h = Harness { s, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, ps: 4 };
+    let reserve = (k + 1).max(draft_block_rows);
+    let mut h = Harness { s, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, reserve, ps: 4 };
     for op in ops {
         match op {
             Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),
@@ -478,7 +492,14 @@ proptest! {
     #[test]
     fn draft_len_schedule_under_page_pressure(ops in prop::collection::vec(op(), 1..120), pages in 8usize..40) {
         // 7 drafts alone, 4 with two or three decoding, 2 with four or more.
-        run_with(ops, pages, 7, 32, false, vec![(1, 7), (3, 4), (5, 2)]);
+        run_with(ops, pages, 7, 32, false, vec![(1, 7), (3, 4), (5, 2)], 0);
+    }
+
+    #[test]
+    fn draft_block_longer_than_the_verify_block(ops in prop::collection::vec(op(), 1..120), pages in 8usize..40) {
+        // K = 3 verified of an 8-row draft block; and a schedule under a 16-row draft block.
+        run_with(ops.clone(), pages, 3, 24, false, Vec::new(), 8);
+        run_with(ops, pages + 8, 7, 32, false, vec![(1, 7), (3, 4), (5, 2)], 16);
     }
 
     #[test]
@@ -511,8 +532,9 @@ fn shared_prefixes_hit_in_the_harness() {
         mask_token_id: 1,
         enable_prefix_caching: true,
         draft_len_schedule: Vec::new(),
+        draft_block_rows: 0,
     };
-    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, ps: 4 };
+    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, reserve: 4, ps: 4 };
     for op in ops {
         match op {
             Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),

@@ -11,6 +11,7 @@ fn cfg(num_pages: usize, k: usize) -> SchedulerConfig {
         mask_token_id: 999,
         enable_prefix_caching: true,
         draft_len_schedule: Vec::new(),
+        draft_block_rows: 0,
     }
 }
 
@@ -551,4 +552,26 @@ fn draft_len_schedule_is_validated() {
     let mut c = cfg(64, 0);
     c.draft_len_schedule = vec![(2, 1)];
     assert!(Scheduler::new(c).is_err());
+}
+
+#[test]
+fn draft_block_rows_reserve_kv_for_the_longer_draft_block() {
+    // K = 3 verified rows of an 8-row draft block: admission and each decode step reserve 8.
+    let mut c = cfg(64, 3);
+    c.draft_block_rows = 8;
+    assert_eq!(c.reserve_rows(), 8);
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let h = s.add_request("a".into(), vec![5; 7], 4, vec![]).unwrap();
+    let (t, p) = s.schedule().unwrap().unwrap();
+    let sampled = vec![9u32; p.num_sample_rows()];
+    s.commit(t, &vec![0; p.entries.len()], &sampled).unwrap();
+    let (_, p) = s.schedule().unwrap().unwrap();
+    assert_eq!(p.block_rows, 4);
+    let committed = s.request(h).unwrap().num_computed();
+    assert!(s.request(h).unwrap().pages().capacity() >= committed + 8);
+    for bad in [(3, 2), (0, 8)] {
+        let mut c = cfg(64, bad.0);
+        c.draft_block_rows = bad.1;
+        assert!(matches!(Scheduler::new(c), Err(CoreError::InvalidConfig(_))));
+    }
 }
