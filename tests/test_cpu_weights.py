@@ -151,10 +151,13 @@ def test_engine_packs_only_in_the_fast_mode(qwen3_dir, random_draft_dir):
     assert fast.stats().spec_num_drafts > 0
 
 
-def test_cpu_modes_draft_the_full_block_by_default(tmp_path, qwen3_dir):
-    """A block-8 draft: both CPU modes verify 7 drafts unless told; an explicit K or a
-    schedule is kept, and every step still drafts the whole 8-row block (draft_block.py)."""
+def test_fast_cpu_mode_verifies_fewer_drafts_of_the_full_block(tmp_path, qwen3_dir):
+    """A block-8 draft: the fast CPU mode verifies CPU_NUM_SPECULATIVE_TOKENS (3) drafts unless
+    told; the exact mode, an explicit K or a draft-length schedule keep what they said; every
+    step still drafts the whole 8-row block (draft_block.py)."""
     from tiny_models import make_tiny_dflash_draft
+
+    from dflash_engine.model_runner import CPU_NUM_SPECULATIVE_TOKENS
 
     draft = str(make_tiny_dflash_draft(tmp_path, qwen3_dir, num_layers=1, block_size=8, target_layer_ids=[1, 2]))
 
@@ -164,9 +167,10 @@ def test_cpu_modes_draft_the_full_block_by_default(tmp_path, qwen3_dir):
         r = llm.engine.runner
         return r.num_speculative_tokens, r.draft_rows, llm.engine.scheduler.block_rows
 
-    assert k(False) == (7, 8, 8)
+    assert CPU_NUM_SPECULATIVE_TOKENS == 3
+    assert k(False) == (3, 8, 4)
     assert k(True) == (7, 8, 8)
-    assert k(False, num_speculative_tokens=3) == (3, 8, 4)
+    assert k(False, num_speculative_tokens=5) == (5, 8, 6)
     assert k(False, num_speculative_tokens_schedule=[[1, 7], [8, 2]]) == (7, 8, 8)
 
 

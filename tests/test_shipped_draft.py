@@ -27,12 +27,12 @@ def test_shipped_draft_is_small_bf16_and_carries_a_model_card():
     assert "train-draft" in card and "HumanEval" in card and "τ" in card
 
 
-def test_auto_means_the_shipped_draft_on_a_gpu_only_and_only_for_the_embedded_model():
+def test_auto_means_the_shipped_draft_for_the_embedded_model_only():
     assert auto_speculative_config(None, "cuda")[0] == {"method": "dflash"}
     assert auto_speculative_config("default", "cuda:0")[0] == {"method": "dflash"}
-    off, why = auto_speculative_config(None, "cpu")
-    assert off is None and "slower" in why
-    assert auto_speculative_config("/some/other/model", "cuda")[0] is None
+    assert auto_speculative_config(None, "cpu")[0] == {"method": "dflash"}
+    off, why = auto_speculative_config("/some/other/model", "cuda")
+    assert off is None and "no draft" in why
 
 
 def test_method_alone_resolves_to_the_shipped_draft_for_the_embedded_model_only():
@@ -44,7 +44,8 @@ def test_method_alone_resolves_to_the_shipped_draft_for_the_embedded_model_only(
 
 
 def test_engine_config_defaults_to_auto():
-    assert EngineConfig(device="cpu").speculative_config is None  # auto, on the CPU: off
+    assert EngineConfig(device="cpu").speculative_config.model == str(shipped_draft_dir())
+    assert EngineConfig(device="cpu", speculative_config=None).speculative_config is None
     assert EngineConfig(device="cuda").speculative_config.model == str(shipped_draft_dir())
     assert EngineConfig(device="cuda", speculative_config=None).speculative_config is None
     assert EngineConfig(device="cuda", speculative_config="none").speculative_config is None

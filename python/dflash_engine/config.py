@@ -48,22 +48,13 @@ def synthetic_rates(k: int, length: float | None, rates: list[float] | None) -> 
 
 def auto_speculative_config(model: str | None, device: str) -> tuple[dict[str, Any] | None, str]:
     """What speculative_config="auto" (the default) means, and why: DFlash with the shipped
-    draft when the target is the embedded SmolLM2-135M-Instruct and runs on a GPU; off
-    otherwise. On the CPU the shipped draft (HumanEval τ about 1.9) does not pay for
-    verifying its 16-row blocks (0.4-0.5x of spec-off on 2 cores, docs/perf.md), so it is
-    off there unless asked for with {"method": "dflash"}."""
+    draft when the target is the embedded SmolLM2-135M-Instruct (on a GPU or the CPU); off
+    for any other model (no draft is known for it)."""
     from .model_path import is_default_model
 
     if not is_default_model(model):
         return None, "no draft is known for this model (pass --speculative-config with one)"
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not str(device).startswith("cuda"):
-        return None, ("the shipped SmolLM2 draft is slower than plain decoding on the CPU; "
-                      "turn it on with --speculative-config '{\"method\": \"dflash\"}'")
-    return {"method": "dflash"}, "the shipped SmolLM2 draft, on the GPU"
+    return {"method": "dflash"}, "the shipped SmolLM2 draft"
 
 
 @dataclass
