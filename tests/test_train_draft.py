@@ -158,11 +158,13 @@ def test_train_draft_writes_the_published_format(run):
 
 
 def test_train_draft_data_is_self_written_and_stdlib_and_cached(run):
+    """The default mix: user turns and code requests the target writes, stdlib code prompts."""
     data = run.report["data"]
     assert data["cached"] is False
+    assert (data["code_fraction"], data["self_code_fraction"]) == (0.4, 0.3)
     lines = Path(data["path"]).read_text().splitlines()
     samples = [json.loads(x) for x in lines]
-    assert {s["source"] for s in samples} == {"self", "stdlib"}
+    assert {s["source"] for s in samples} == {"self", "self-code", "stdlib"}
     assert all(len(s["response_ids"]) > BLOCK for s in samples)
     res = run.report["result"]
     assert res["num_train"] + res["num_held_out"] == len(samples) and res["num_held_out"] >= 4

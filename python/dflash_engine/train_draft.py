@@ -1158,9 +1158,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--max-len", type=int, default=512, help="prompt + response tokens")
     ap.add_argument("--response-tokens", type=int, default=384)
-    ap.add_argument("--code-fraction", type=float, default=0.5,
+    ap.add_argument("--code-fraction", type=float, default=0.4,
                     help="share of code prompts built from Python sources (see --code-source)")
-    ap.add_argument("--self-code-fraction", type=float, default=0.0,
+    ap.add_argument("--self-code-fraction", type=float, default=0.3,
                     help="share of code requests the target writes itself from a few openings "
                          "(the rest of --samples: user turns it writes freely)")
     ap.add_argument("--code-source", choices=CODE_SOURCES, default="stdlib",
