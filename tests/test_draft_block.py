@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dflash_engine import LLM, SamplingParams, _core
 from dflash_engine.draft_block import draft_block
@@ -24,9 +25,11 @@ def test_draft_block_arrays_extend_the_verify_block():
     s.commit(plan, np.zeros(len(plan), np.int64), np.full(len(plan.sample_rows), 9, np.int64))
     plan = s.schedule()
     assert plan.num_decode == 2 and plan.block_rows == 3
-    blk = draft_block(plan, d, mask, ps)
     b = plan.block_rows
-    ids, pos, slots = (x.reshape(2, d) for x in (blk.input_ids, blk.positions, blk.slot_mapping))
+    first = plan.query_start_loc[:2]
+    blk = draft_block(torch.tensor(plan.positions[first]), torch.tensor(plan.input_ids[first]),
+                      torch.tensor(plan.page_tables[:2]), d, b, ps, mask)
+    ids, pos, slots = (x.numpy().reshape(2, d) for x in (blk.input_ids, blk.positions, blk.slot_mapping))
     assert (ids[:, 0] == 9).all() and (ids[:, 1:] == mask).all()
     for i in range(2):
         committed = plan.positions[plan.query_start_loc[i]]
@@ -37,8 +40,11 @@ def test_draft_block_arrays_extend_the_verify_block():
         table = plan.page_tables[i]
         assert all(slots[i, j] == table[p // ps] * ps + p % ps for j, p in enumerate(pos[i]))
         assert blk.seq_lens[i] == committed + d
-    assert list(blk.query_start_loc) == [0, d, 2 * d]
-    assert list(blk.proposal_rows) == [1, 2, d + 1, d + 2]
+    assert blk.query_start_loc.tolist() == [0, d, 2 * d]
+    assert blk.proposal_rows.tolist() == [1, 2, d + 1, d + 2]
+    live = draft_block(torch.tensor(plan.positions[first]), torch.tensor(plan.input_ids[first]),
+                       torch.tensor(plan.page_tables[:2]), d, b, ps, mask, live=torch.tensor([True, False]))
+    assert (live.slot_mapping[d:] == -1).all() and live.seq_lens.tolist() == [blk.seq_lens[0], 0]
     with pytest.raises(Exception, match="draft_block_rows"):
         _core.Scheduler(num_pages=64, page_size=ps, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
                         num_speculative_tokens=3, draft_block_rows=2)

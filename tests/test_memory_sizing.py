@@ -53,7 +53,7 @@ def test_cpu_pool_is_the_byte_budget_capped_by_max_num_seqs_full_requests():
 
 def _gpu_report(**kw) -> MemoryReport:
     r = MemoryReport(device="cuda", num_pages=0, page_size=16, bytes_per_page=2 * MiB, max_model_len=4096,
-                     num_speculative_tokens=15, max_num_seqs=64, source="--gpu-memory-utilization 0.9",
+                     reserve_k=15, max_num_seqs=64, source="--gpu-memory-utilization 0.9",
                      total_bytes=140 * GiB, utilization=0.9, weights_bytes=17 * GiB, in_use_bytes=18 * GiB,
                      peak_activation_bytes=3 * GiB, graph_reserve_bytes=GiB, profile_tokens=2048,
                      profile_sample_rows=1009)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import _core
+from .draft_block import draft_block
 from .in_flight import InFlight
 from .kernels import sampling as ksampling
 from .ops.attention import AttentionMetadata
@@ -109,11 +110,6 @@ class DecodeGraphRunner:
         # Rows 1..B-1 of each block: where drafts go, and the draft rows whose logits are read.
         rows = torch.arange(n, device=dev).view(self.max_bs, self.b)[:, 1:]
         self.verify_rows = rows.reshape(-1).contiguous()
-        # Draft block layout when D > B: rows 1..B-1 of each D-row block are the proposals.
-        self.draft_arange = torch.arange(self.d, device=dev)
-        self.draft_qsl = (torch.arange(self.max_bs + 1, device=dev) * self.d).to(torch.int32)
-        self.proposal_rows = (torch.arange(self.max_bs, device=dev)[:, None] * self.d
-                              + torch.arange(1, self.b, device=dev)).reshape(-1).contiguous()
         self.out = torch.zeros(n + self.max_bs, dtype=torch.int64, device=dev)
         self.host_out = torch.zeros(n + self.max_bs, dtype=torch.int64, pin_memory=on_gpu)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -183,28 +179,19 @@ class DecodeGraphRunner:
 
     def _draft(self, bs: int, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft pass: [bonus, MASK...] blocks -> drafts [bs*(B-1)]; returns (verify ids, drafts)."""
-        r = self.r
-        vrows = self.verify_rows[:bs * (self.b - 1)]
-        if self.d == self.b:
-            h = r.draft(r.target.embed(x["input_ids"]), x["positions"], self._meta(bs, x["slots"], False), r.kv)
-            drafts = r.target.compute_logits(h[vrows]).argmax(-1)
-            return x["input_ids"].index_put((vrows,), drafts), drafts
-        # The draft's whole D-row block (draft_block.py, on the device): positions
-        # committed..committed+D-1, slots from the page table; padding requests (seq_len 0)
-        # write nowhere and attend to nothing.
-        b, d, ps = self.b, self.d, r.page_size
-        first = x["positions"].view(bs, b)[:, :1]
-        pos = first + self.draft_arange
-        live = self.seq_lens[:bs] > 0
-        pages = torch.gather(self.pages[:bs], 1, (pos // ps).clamp(max=self.width - 1)).long()
-        slots = torch.where(live[:, None], pages * ps + pos % ps, -1).reshape(-1)
-        ids = torch.cat([x["input_ids"].view(bs, b)[:, :1],
-                         torch.full((bs, d - 1), r.mask_token_id, dtype=torch.int64, device=pos.device)], 1)
-        seq_lens = torch.where(live, self.seq_lens[:bs] + (d - b), 0).to(torch.int32)
-        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=self.draft_qsl[:bs + 1], seq_lens=seq_lens,
-                                 page_tables=self.pages[:bs], causal=False, max_query_len=d)
-        h = r.draft(r.target.embed(ids.reshape(-1)), pos.reshape(-1), meta, r.kv)
-        drafts = r.target.compute_logits(h[self.proposal_rows[:bs * (b - 1)]]).argmax(-1)
+        r, b = self.r, self.b
+        vrows = self.verify_rows[:bs * (b - 1)]
+        if self.d == b:  # the verify block itself
+            ids, pos, meta, rows = x["input_ids"], x["positions"], self._meta(bs, x["slots"], False), vrows
+        else:  # the draft's whole D-row block (draft_block.py); padding requests write nowhere
+            blk = draft_block(x["positions"].view(bs, b)[:, 0], x["input_ids"].view(bs, b)[:, 0], self.pages[:bs],
+                              self.d, b, r.page_size, r.mask_token_id, live=self.seq_lens[:bs] > 0)
+            ids, pos, rows = blk.input_ids, blk.positions, blk.proposal_rows
+            meta = AttentionMetadata(slot_mapping=blk.slot_mapping, query_start_loc=blk.query_start_loc,
+                                     seq_lens=blk.seq_lens, page_tables=self.pages[:bs], causal=False,
+                                     max_query_len=self.d)
+        h = r.draft(r.target.embed(ids), pos, meta, r.kv)
+        drafts = r.target.compute_logits(h[rows]).argmax(-1)
         return x["input_ids"].index_put((vrows,), drafts), drafts
 
     def _verify(self, bs: int, x: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:

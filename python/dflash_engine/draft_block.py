@@ -10,43 +10,44 @@ The scheduler reserves KV for max(B, D) rows past `committed` (`draft_block_rows
 draft block's rows are scratch at positions committed .. committed+D-1, in the request's own
 pages, never read as context (the context write of committed rows overwrites them).
 
-`draft_block` builds the block's arrays from a step plan on the host (the eager path); the
-decode graphs build the same on the device (decode_graph.py, `_draft`).
+`draft_block` builds the block from each request's first verify row and page table, on the
+device: the eager path (model_runner.py) and the decode graphs (decode_graph.py) both use it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+import torch
+from torch import Tensor
 
 
 @dataclass
 class DraftBlock:
-    input_ids: np.ndarray  # [n*D] int64: bonus, then MASK
-    positions: np.ndarray  # [n*D] int64: committed .. committed+D-1
-    slot_mapping: np.ndarray  # [n*D] int64
-    query_start_loc: np.ndarray  # [n+1] int32
-    seq_lens: np.ndarray  # [n] int32: committed + D
-    page_tables: np.ndarray  # [n, width] int32
-    proposal_rows: np.ndarray  # [n*K] int64: rows 1..K of each block (the K proposals)
+    input_ids: Tensor  # [n*D] int64: bonus, then MASK
+    positions: Tensor  # [n*D] int64: committed .. committed+D-1
+    slot_mapping: Tensor  # [n*D] int64 (-1: a padding request's rows, written nowhere)
+    query_start_loc: Tensor  # [n+1] int32
+    seq_lens: Tensor  # [n] int32: committed + D (0: padding)
+    proposal_rows: Tensor  # [n*(B-1)] int64: rows 1..B-1 of each block (the K proposals)
 
 
-def draft_block(plan, d: int, mask_token_id: int, page_size: int) -> DraftBlock:
-    """The draft pass of `plan`'s decode requests with blocks of max(d, B) rows."""
-    n, b = plan.num_decode, plan.block_rows
-    if d <= b:  # the verify block itself: the plan's draft views (a prefix of the target pass)
-        return DraftBlock(plan.draft_input_ids, plan.draft_positions, plan.draft_slot_mapping,
-                          plan.draft_query_start_loc, plan.draft_seq_lens, plan.draft_page_tables,
-                          np.asarray(plan.verify_target_rows[:n * (b - 1)], np.int64))
-    first = np.asarray(plan.draft_positions[::b][:n], np.int64)  # committed: each block's bonus row
-    pos = first[:, None] + np.arange(d)
-    tables = np.asarray(plan.draft_page_tables)
-    pages = np.take_along_axis(tables, pos // page_size, axis=1).astype(np.int64)
-    ids = np.full((n, d), mask_token_id, np.int64)
-    ids[:, 0] = plan.draft_input_ids[::b][:n]
+def draft_block(committed: Tensor, bonus: Tensor, page_tables: Tensor, d: int, b: int, page_size: int,
+                mask_token_id: int, live: Tensor | None = None) -> DraftBlock:
+    """The D-row draft blocks of n decode requests: committed [n] (the bonus row's position),
+    bonus [n] (its token), page_tables [n, width] (covering committed + D), B = K + 1 (the
+    verify block); live [n] bool marks real requests (None: all are)."""
+    n, dev = committed.shape[0], committed.device
+    pos = committed[:, None] + torch.arange(d, device=dev)
+    pages = torch.gather(page_tables, 1, (pos // page_size).clamp(max=page_tables.shape[1] - 1)).long()
+    slots = pages * page_size + pos % page_size
+    seq_lens = committed + d
+    if live is not None:
+        slots = torch.where(live[:, None], slots, -1)
+        seq_lens = torch.where(live, seq_lens, 0)
+    ids = torch.cat([bonus[:, None], torch.full((n, d - 1), mask_token_id, dtype=torch.int64, device=dev)], 1)
+    steps = torch.arange(n + 1, device=dev)
     return DraftBlock(
-        input_ids=ids.reshape(-1), positions=pos.reshape(-1),
-        slot_mapping=(pages * page_size + pos % page_size).reshape(-1),
-        query_start_loc=(np.arange(n + 1) * d).astype(np.int32), seq_lens=(first + d).astype(np.int32),
-        page_tables=tables, proposal_rows=(np.arange(n)[:, None] * d + np.arange(1, b)).reshape(-1),
+        input_ids=ids.reshape(-1), positions=pos.reshape(-1), slot_mapping=slots.reshape(-1),
+        query_start_loc=(steps * d).to(torch.int32), seq_lens=seq_lens.to(torch.int32),
+        proposal_rows=(steps[:n, None] * d + torch.arange(1, b, device=dev)).reshape(-1),
     )

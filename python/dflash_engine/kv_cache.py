@@ -109,7 +109,7 @@ class MemoryReport:
     page_size: int  # tokens per page
     bytes_per_page: int  # target + draft K/V of one page
     max_model_len: int
-    num_speculative_tokens: int
+    reserve_k: int  # KV rows a request holds past its last token, less one: max(K, D - 1)
     max_num_seqs: int
     source: str  # what decided num_pages (a flag, or the CPU byte budget)
     total_bytes: int | None = None  # device memory
@@ -125,7 +125,7 @@ class MemoryReport:
     @property
     def pages_per_seq(self) -> int:
         """Pages one request of max_model_len holds at most (the core's admission bound)."""
-        return _core.pages_per_seq(self.max_model_len, self.num_speculative_tokens, self.page_size)
+        return _core.pages_per_seq(self.max_model_len, self.reserve_k, self.page_size)
 
     @property
     def usable_pages(self) -> int:

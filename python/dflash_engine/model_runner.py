@@ -197,7 +197,7 @@ class ModelRunner:
         proves at startup that the largest step fits)."""
         report = MemoryReport(
             device=self.device.type, num_pages=0, page_size=self.page_size, bytes_per_page=self.bytes_per_page,
-            max_model_len=max_model_len, num_speculative_tokens=self.reserve_k,
+            max_model_len=max_model_len, reserve_k=self.reserve_k,
             max_num_seqs=cfg.max_num_seqs, source="",
         )
         if self.device.type == "cuda":
@@ -322,10 +322,17 @@ class ModelRunner:
         draft_tokens = None
         n_dec = plan.num_decode
         if self.draft is not None and n_dec:
-            blk = draft_block(plan, self.draft_rows, self.mask_token_id, self.page_size)
-            meta = self._meta(blk.slot_mapping, blk.query_start_loc, blk.seq_lens, blk.page_tables, causal=False)
-            h = self.draft(self.target.embed(self._t(blk.input_ids)), self._t(blk.positions), meta, self.kv)
-            draft_tokens = self.target.propose(h[self._t(blk.proposal_rows)])  # rows 1..K of each block
+            b, d = plan.block_rows, self.draft_rows  # (draft_block.py: D >= B rows)
+            committed = plan.positions[plan.query_start_loc[:n_dec]]
+            tables = self._t(plan.draft_page_tables)
+            blk = draft_block(self._t(committed), self._t(plan.input_ids[plan.query_start_loc[:n_dec]]), tables,
+                              d, b, self.page_size, self.mask_token_id)
+            meta = AttentionMetadata(
+                slot_mapping=blk.slot_mapping, query_start_loc=blk.query_start_loc, seq_lens=blk.seq_lens,
+                page_tables=tables, causal=False, max_query_len=d,
+                query_start_loc_cpu=list(range(0, (n_dec + 1) * d, d)), seq_lens_cpu=(committed + d).tolist())
+            h = self.draft(self.target.embed(blk.input_ids), blk.positions, meta, self.kv)
+            draft_tokens = self.target.propose(h[blk.proposal_rows])  # rows 1..K of each block
             input_ids = input_ids.index_put((self._t(plan.verify_target_rows),), draft_tokens)
 
         positions = self._t(plan.positions)
