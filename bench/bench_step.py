@@ -33,6 +33,7 @@ import ceilings  # noqa: E402
 from dflash_engine import SamplingParams, _core  # noqa: E402
 from dflash_engine.config import EngineConfig  # noqa: E402
 from dflash_engine.engine import LLMEngine  # noqa: E402
+from dflash_engine.worker import step  # noqa: E402
 
 
 def _timer(device: torch.device, fn, repeats: int) -> float:
@@ -59,9 +60,9 @@ def _phase_graph(dg, bs: int, phase: str):
     def run():
         x = dg._inputs(bs)
         if phase == "draft":
-            dg._draft(bs, x)
+            step.draft_pass(dg.models, x)
         else:
-            dg._verify(bs, x, x["input_ids"])
+            step.verify_pass(dg.models, x, x.input_ids)
 
     if dg.device.type != "cuda":
         return run
@@ -95,14 +96,14 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
     max_c = max(conc)
     b = (spec or {}).get("num_speculative_tokens", 0) + 1
     max_len = args.context + args.steps * 4 + 64
-    pages = max_c * _core.pages_per_seq(max_len, b - 1, 16) + 16
+    pages = max_c * _core.pages_per_seq(max_len, max(b, 16), 16) + 16  # reserve rows: max(B, D <= 16)
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=args.target, speculative_config=spec, max_num_seqs=max_c, max_model_len=max_len,
         num_gpu_blocks_override=pages, dtype=args.dtype, device=args.device,
         max_num_batched_tokens=max(8192, b * max_c),
     ))
-    dg = engine.runner.decode_graphs
+    dg = engine.runner.graphs.get(b)
     print(f"# {'spec on' if spec else 'spec off'}: engine ready in {time.perf_counter() - t0:.1f} s; "
           f"graphs {len(dg.graphs) if dg else 0}, capture {dg.capture_seconds if dg else 0:.1f} s, "
           f"graph memory {(dg.graph_bytes if dg else 0) / 2**20:.0f} MiB", flush=True)
@@ -123,11 +124,11 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
         if dg is not None:
             bs = dg.bucket(c)
             if dg.device.type == "cuda" and not dg.enforce_eager:
-                step = dg.graphs[(bs, True)].replay
+                step_fn = dg.graphs[(bs, True)].replay
             else:
-                def step():
-                    dg._step(bs, True)
-            row["step_ms"] = _timer(device, step, args.steps)
+                def step_fn():
+                    dg.step(bs, True)
+            row["step_ms"] = _timer(device, step_fn, args.steps)
             row["verify_ms"] = _timer(device, _phase_graph(dg, bs, "verify"), args.steps)
             row["draft_ms"] = _timer(device, _phase_graph(dg, bs, "draft"), args.steps) if spec else 0.0
             row["rest_ms"] = row["step_ms"] - row["verify_ms"] - row["draft_ms"]

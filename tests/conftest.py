@@ -63,16 +63,16 @@ def trained(tmp_path_factory):
 
 @pytest.fixture
 def decode_runs(monkeypatch):
-    """Records every call of the decode step (decode_graph.DecodeGraphRunner.run) as
+    """Records every call of the decode step (worker/graph_runner.py: GraphRunner.run) as
     (the runner's block rows B, the plan's block_rows)."""
-    from dflash_engine.decode_graph import DecodeGraphRunner
+    from dflash_engine.worker.graph_runner import GraphRunner
 
     seen: list[tuple[int, int]] = []
-    real = DecodeGraphRunner.run
+    real = GraphRunner.run
 
     def run(self, plan, *a, **k):
         seen.append((self.b, plan.block_rows))
         return real(self, plan, *a, **k)
 
-    monkeypatch.setattr(DecodeGraphRunner, "run", run)
+    monkeypatch.setattr(GraphRunner, "run", run)
     return seen

@@ -116,7 +116,7 @@ def test_forging_attempts_fail():
     p = s.schedule()
     # The plan's arrays are read-only: nothing flows back to the core through them.
     for name in ("input_ids", "positions", "slot_mapping", "page_tables", "sample_rows", "num_drafts",
-                 "sample_start", "draft_input_ids", "verify_target_rows", "handles"):
+                 "sample_start", "draft_input_ids", "draft_slot_mapping", "draft_proposal_rows", "verify_target_rows", "handles"):
         arr = getattr(p, name)
         assert not arr.flags.writeable, name
         with pytest.raises(ValueError):
@@ -189,10 +189,10 @@ def test_failed_step_frees_everything():
 
 
 def test_pages_per_seq_is_the_admission_bound():
-    assert core.pages_per_seq(100, 15, 16) == -(-(100 + 16) // 16)
+    assert core.pages_per_seq(100, 16, 16) == -(-(100 + 16) // 16)  # reserve_rows = B = 16
     s = make(num_pages=5, k=3, page_size=4, max_model_len=64)  # 4 usable pages = 16 slots
     s.add_request("fits", [1] * 6, 6)  # 12 + B 4 = 16 slots: 4 pages
-    assert core.pages_per_seq(12, 3, 4) == 4
+    assert core.pages_per_seq(12, 4, 4) == 4
     with pytest.raises(core.RequestRejectedError, match="pages"):
         s.add_request("no", [1] * 6, 7)
     assert core.FINISH_REASONS == [None, "stop", "length", "abort", "error"]

@@ -12,7 +12,7 @@ import torch
 from dflash_engine import LLM, SamplingParams
 from dflash_engine._core import draft_len_for
 from dflash_engine.config import SpeculativeConfig
-from dflash_engine.model_runner import ModelRunner
+from dflash_engine.worker.model_runner import ModelRunner
 
 SCHEDULE = [[1, 3], [2, 2], [4, 1]]  # the random draft's block is 4: up to 3 drafts
 
@@ -95,8 +95,8 @@ def test_decode_graph_path_keeps_one_runner_per_block(qwen3_dir, random_draft_di
     params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(3)]
     ps = prompts(3)
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, speculative_config=spec(random_draft_dir))
-    runners = llm.engine.runner.graphs_by_b
-    assert sorted(runners) == [2, 3, 4] and runners[4] is llm.engine.runner.decode_graphs
+    runners = llm.engine.runner.graphs
+    assert sorted(runners) == [2, 3, 4] and all(runners[b].d == 4 for b in runners)
     fast = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
     assert used and all(b == pb for b, pb in used) and len({b for b, _ in used}) >= 2, used
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")

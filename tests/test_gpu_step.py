@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_engine import LLM, SamplingParams
-from dflash_engine.decode_graph import batch_buckets
+from dflash_engine.worker.graph_runner import batch_buckets
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 CUDA = torch.cuda.is_available()
@@ -52,7 +52,7 @@ def test_kernel_step_on_cpu_matches_the_reference(qwen3_dir, random_draft_dir, k
     with the overlap off."""
     ps = prompts(n)
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, speculative_config=spec(random_draft_dir))
-    assert llm.engine.runner.decode_graphs is not None and llm.engine.overlap
+    assert llm.engine.runner.graphs and llm.engine.overlap
     fast = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
     assert decode_runs, "the decode step ran"
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
@@ -76,7 +76,7 @@ def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_
     ps = prompts(12)
     kw = dict(model=str(qwen3_dir), device="cuda", dtype=dtype, max_num_seqs=8, num_gpu_blocks_override=256)
     graphs = LLM(**kw, speculative_config=spec(random_draft_dir))
-    assert graphs.engine.runner.decode_graphs.graphs, "graphs were captured"
+    assert all(g.graphs for g in graphs.engine.runner.graphs.values()), "graphs were captured"
     on = tokens(graphs.generate(ps, GREEDY, use_tqdm=False))
     del graphs
     eager = tokens(LLM(**kw, speculative_config=spec(random_draft_dir), enforce_eager=True)
@@ -91,7 +91,7 @@ def test_enforce_eager_reaches_the_engine_config():
     import argparse
 
     from dflash_engine.config import EngineConfig
-    from dflash_engine.server.cli_args import add_serve_args, engine_kwargs
+    from dflash_engine.cli_args import add_serve_args, engine_kwargs
 
     parser = add_serve_args(argparse.ArgumentParser())
     assert engine_kwargs(parser.parse_args(["--enforce-eager"]))["enforce_eager"] is True

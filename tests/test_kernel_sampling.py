@@ -1,5 +1,5 @@
 """The graph-capturable sampler and acceptance (dflash_engine.kernels.sampling) against the
-references in dflash_engine.sampler.
+references in dflash_engine.ops.sampling.
 
 On a GPU host they run on CUDA; without one, under Triton's interpreter on CPU tensors
 (tests/conftest.py sets TRITON_INTERPRET=1). Only the CUDA-graph replay test needs CUDA.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dflash_engine import sampler as ref
+from dflash_engine.ops import sampling as ref
 from dflash_engine.kernels import sampling as ks
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,8 +10,7 @@ import torch
 
 from dflash_engine import _core
 from dflash_engine.engine import LLMEngine
-from dflash_engine.kv_cache import MemoryReport, cpu_pool_pages, kv_budget, size_pool
-from dflash_engine.model_runner import _profile_plan
+from dflash_engine.worker.memory import GRAPH_SLACK_BYTES, MemoryReport, cpu_pool_pages, kv_budget, size_pool, size_kv_pool
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -53,7 +52,7 @@ def test_cpu_pool_is_the_byte_budget_capped_by_max_num_seqs_full_requests():
 
 def _gpu_report(**kw) -> MemoryReport:
     r = MemoryReport(device="cuda", num_pages=0, page_size=16, bytes_per_page=2 * MiB, max_model_len=4096,
-                     reserve_k=15, max_num_seqs=64, source="--gpu-memory-utilization 0.9",
+                     reserve_rows=16, max_num_seqs=64, source="--gpu-memory-utilization 0.9",
                      total_bytes=140 * GiB, utilization=0.9, weights_bytes=17 * GiB, in_use_bytes=18 * GiB,
                      peak_activation_bytes=3 * GiB, graph_reserve_bytes=GiB, profile_tokens=2048,
                      profile_sample_rows=1009)
@@ -66,7 +65,7 @@ def _gpu_report(**kw) -> MemoryReport:
 
 def test_report_numbers_agree_with_each_other():
     r = _gpu_report()
-    per_seq = _core.pages_per_seq(4096, 15, 16)
+    per_seq = _core.pages_per_seq(4096, 16, 16)
     assert r.pages_per_seq == per_seq == 257
     assert r.num_pages == r.budget_bytes // r.bytes_per_page
     assert r.usable_pages == r.num_pages - 1 and r.num_tokens == r.usable_pages * 16
@@ -122,7 +121,7 @@ def test_engine_report_matches_the_scheduler(qwen3_dir, random_draft_dir):
     assert m.device == "cpu" and m.peak_activation_bytes is None and m.budget_line() == ""
     assert m.num_pages == e.runner.num_pages == e.runner.kv.num_pages
     assert m.usable_pages == e.num_usable_pages == e.scheduler.num_usable_pages
-    assert m.pages_per_seq == _core.pages_per_seq(e.max_model_len, e.num_speculative_tokens, 16)
+    assert m.pages_per_seq == _core.pages_per_seq(e.max_model_len, e.runtime_config.reserve_rows, 16)
     assert m.num_tokens == e.num_usable_pages * 16
     assert m.kv_bytes == m.num_pages * e.runner.bytes_per_page
     # The CPU pool: capped at max_num_seqs full-length requests (the default 1 GiB is plenty).
@@ -133,24 +132,26 @@ def test_engine_report_matches_the_scheduler(qwen3_dir, random_draft_dir):
 
 # ---- the profile step --------------------------------------------------------------------
 
-@pytest.mark.parametrize("num_tokens,max_num_seqs,b,max_model_len", [
-    (2048, 64, 16, 4096), (2048, 8, 4, 256), (40, 8, 4, 256), (7, 4, 1, 64), (300, 1, 4, 128), (10, 3, 4, 64)])
-def test_profile_plan_is_the_largest_step_and_stays_in_a_two_page_cache(num_tokens, max_num_seqs, b, max_model_len):
-    page = 16
-    plan, st = _profile_plan(num_tokens, max_num_seqs, b, b - 1, max_model_len, page, vocab_size=300)
+@pytest.mark.parametrize("num_tokens,max_num_seqs,b,d,max_model_len", [
+    (2048, 64, 16, 16, 4096), (2048, 8, 4, 16, 256), (40, 8, 4, 8, 256), (7, 4, 1, 0, 64), (300, 1, 4, 4, 128),
+    (10, 3, 4, 0, 64)])
+def test_profile_plan_is_the_largest_step_and_stays_in_a_two_page_cache(num_tokens, max_num_seqs, b, d, max_model_len):
+    page, reserve = 16, max(b, d)
+    plan = _core.profile_plan(num_tokens, max_num_seqs, b, d, reserve, max_model_len, page, 7)
     rows, reqs, n_dec = len(plan.input_ids), len(plan), plan.num_decode
     assert reqs <= max_num_seqs and n_dec <= max(0, max_num_seqs - 1)
     q = np.diff(plan.query_start_loc)
     assert (q[:n_dec] == b).all() and (q > 0).all() and (q <= max_model_len).all()
     # As many rows as the budget, unless the request limit caps them.
     assert rows == num_tokens or (reqs == max_num_seqs and rows < num_tokens)
-    assert len(plan.sample_rows) == n_dec * b + (reqs - n_dec) == len(st["seed"]) == plan.sample_start[-1]
-    assert ((plan.slot_mapping >= page) & (plan.slot_mapping < 2 * page)).all()  # page 1 of 2
-    assert (plan.page_tables == 0).all() and plan.page_tables.shape[1] == _core.pages_per_seq(max_model_len, b - 1, page)
+    assert len(plan.sample_rows) == n_dec * b + (reqs - n_dec) == plan.sample_start[-1]
+    slots = np.concatenate([plan.slot_mapping, plan.draft_slot_mapping])
+    assert ((slots >= page) & (slots < 2 * page)).all()  # page 1 of 2
+    assert (plan.page_tables == 0).all() and plan.page_tables.shape[1] == _core.pages_per_seq(max_model_len, reserve, page)
     assert (plan.positions >= 0).all() and (plan.positions < max_model_len).all()
-    assert len(plan.draft_input_ids) == n_dec * b == len(plan.draft_slot_mapping)
-    assert len(plan.verify_target_rows) == n_dec * (b - 1)
-    assert not st["greedy"].any() and (st["top_k"] == 300).all()
+    dr = max(b, d) if b > 1 else 0
+    assert plan.draft_rows == dr and len(plan.draft_input_ids) == n_dec * dr == len(plan.draft_slot_mapping)
+    assert len(plan.verify_target_rows) == n_dec * (b - 1) == len(plan.draft_proposal_rows) * (dr > 0)
 
 
 def _kv_snapshot(runner) -> list[torch.Tensor]:
@@ -166,7 +167,7 @@ def test_profile_runs_on_cpu_and_leaves_the_pool_alone(qwen3_dir, random_draft_d
         e.step()
     before, kv = _kv_snapshot(e.runner), e.runner.kv
     steps_before = e.runner.step_timer.totals()
-    assert e.runner.profile(4, e.max_model_len) == (None, None)  # measured on CUDA only
+    assert e.runner.profile() == (None, None)  # measured on CUDA only
     assert e.runner.kv is kv and all(torch.equal(a, b) for a, b in zip(before, _kv_snapshot(e.runner)))
     # The engine still works after a profile.
     e.add_request("b", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -187,12 +188,12 @@ def test_profile_runs_the_kernel_path_and_the_decode_step(qwen3_dir, random_draf
     interpreter at small sizes: shapes and bounds, not bytes."""
     e = engine(qwen3_dir, max_num_seqs=3, max_num_batched_tokens=24, max_model_len=48,
                speculative_config=spec(random_draft_dir))
-    assert e.runner.decode_graphs is not None
+    g = e.runner.graphs[e.runtime_config.block_rows]
     calls = []
-    real_step = e.runner.decode_graphs._step
-    e.runner.decode_graphs._step = lambda bs, all_greedy: calls.append((bs, all_greedy)) or real_step(bs, all_greedy)
+    real_step = g.step
+    g.step = lambda bs, all_greedy: calls.append((bs, all_greedy)) or real_step(bs, all_greedy)
     before = _kv_snapshot(e.runner)
-    assert e.runner.profile(3, 48) == (None, None)
+    assert e.runner.profile() == (None, None)
     assert calls == [(3, False)]  # the largest bucket, sampled
     assert all(torch.equal(a, b) for a, b in zip(before, _kv_snapshot(e.runner)))
 
@@ -201,9 +202,8 @@ def test_the_cuda_branch_arithmetic_with_a_stand_in_device(qwen3_dir, random_dra
     """The CUDA branch of the sizing, its device calls replaced by fixed numbers (the real
     thing runs on the device machine): the report carries the profile's numbers, the pool is
     `size_pool` of them, graphs get the decode peak plus slack, and the override still wins."""
+    import dataclasses
     from types import SimpleNamespace
-
-    from dflash_engine import model_runner
 
     e = engine(qwen3_dir, max_num_seqs=4, speculative_config=spec(random_draft_dir))
     r = e.runner
@@ -211,24 +211,22 @@ def test_the_cuda_branch_arithmetic_with_a_stand_in_device(qwen3_dir, random_dra
             "mem_get_info": lambda *a: (70 * GiB, 80 * GiB)}
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
-    monkeypatch.setattr(r, "device", SimpleNamespace(type="cuda"))
+    rc = SimpleNamespace(**{f.name: getattr(e.runtime_config, f.name) for f in dataclasses.fields(e.runtime_config)})
+    rc.device, rc.max_model_len, rc.reserve_rows = SimpleNamespace(type="cuda"), 256, e.runtime_config.reserve_rows
+    rc.gpu_memory_utilization = 0.9
 
-    def profile(max_num_seqs, max_model_len, report):
+    def profile(report):
         report.profile_tokens = 99
         return 3 * GiB, GiB  # (largest eager step, decode step) peaks
 
-    monkeypatch.setattr(r, "profile", profile)
-    monkeypatch.setattr(r, "decode_graphs", SimpleNamespace(enforce_eager=False))
-    cfg = SimpleNamespace(max_num_seqs=4, gpu_memory_utilization=0.9, num_gpu_blocks_override=None)
-    m = r._size_pool(cfg, 256)
-    reserve = GiB + model_runner._GRAPH_SLACK_BYTES
+    m = size_kv_pool(rc, r.bytes_per_page, profile, graphs=True)
+    reserve = GiB + GRAPH_SLACK_BYTES
     assert (m.weights_bytes, m.in_use_bytes, m.total_bytes, m.peak_activation_bytes) == (5 * GiB, 10 * GiB, 80 * GiB,
                                                                                          3 * GiB)
     assert m.graph_reserve_bytes == reserve and m.profile_tokens == 99
     assert m.num_pages == size_pool(80 * GiB, 10 * GiB, 3 * GiB, 0.9, r.bytes_per_page, reserve) > 0
     assert m.source == "--gpu-memory-utilization 0.9" and "peak activation 3.00 GiB" in m.lines()[1]
-    monkeypatch.setattr(r, "decode_graphs", SimpleNamespace(enforce_eager=True))  # no graphs: no reserve
-    assert r._size_pool(cfg, 256).graph_reserve_bytes == 0
-    cfg.num_gpu_blocks_override = 100
-    m = r._size_pool(cfg, 256)
+    assert size_kv_pool(rc, r.bytes_per_page, profile, graphs=False).graph_reserve_bytes == 0  # no graphs: no reserve
+    rc.num_gpu_blocks_override = 100
+    m = size_kv_pool(rc, r.bytes_per_page, profile, graphs=True)
     assert m.num_pages == 101 and m.source == "--num-gpu-blocks-override 100" and m.peak_activation_bytes == 3 * GiB

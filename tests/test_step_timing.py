@@ -10,11 +10,12 @@ import time
 import pytest
 import torch
 
-from dflash_engine import LLM, SamplingParams, bench_serve, step_timer
+from dflash_engine import LLM, SamplingParams, bench_serve
+from dflash_engine.worker import step_timer
 from dflash_engine.engine import EngineStats
-from dflash_engine.server.cli_args import add_bench_args
+from dflash_engine.cli_args import add_bench_args
 from dflash_engine.server.metrics import ServerMetrics
-from dflash_engine.step_timer import StepTimer
+from dflash_engine.worker.step_timer import StepTimer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -7,7 +7,7 @@ import pytest
 
 from dflash_engine import LLM, SamplingParams
 from dflash_engine.config import SpeculativeConfig, synthetic_rates
-from dflash_engine.decode_graph import DecodeGraphRunner
+from dflash_engine.worker.graph_runner import GraphRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -88,8 +88,8 @@ def test_synthetic_through_the_kernel_decode_step(qwen3_dir, random_draft_dir, m
         pytest.skip("the interpreter mode is for machines without a GPU")
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
     ran = []
-    real = DecodeGraphRunner._step
-    monkeypatch.setattr(DecodeGraphRunner, "_step", lambda self, *a: (ran.append(1), real(self, *a))[1])
+    real = GraphRunner.step
+    monkeypatch.setattr(GraphRunner, "step", lambda self, *a: (ran.append(1), real(self, *a))[1])
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=2,
               speculative_config=spec(random_draft_dir, synthetic_acceptance_rates=[1.0] * 3))
     outs = llm.generate(prompts(2), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True), use_tqdm=False)

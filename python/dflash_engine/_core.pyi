@@ -25,7 +25,12 @@ class InvalidCommitError(CoreError): ...
 _Ints = npt.NDArray[np.int64] | Sequence[int]
 
 def draft_len_for(schedule: list[tuple[int, int]], k_max: int, num_decoding: int) -> int: ...
-def pages_per_seq(max_model_len: int, num_speculative_tokens: int, page_size: int) -> int: ...
+def pages_per_seq(max_model_len: int, reserve_rows: int, page_size: int) -> int:
+    """Pages a request of max_model_len tokens holds at most; reserve_rows = max(B, D)."""
+
+def profile_plan(num_tokens: int, max_num_seqs: int, block_rows: int, draft_block_rows: int, reserve_rows: int,
+                 max_model_len: int, page_size: int, mask_token_id: int) -> StepPlan:
+    """The largest eager step, over a 2-page KV cache (no ticket: it is never committed)."""
 
 class StepPlan:
     """One step's read-only arrays; carries the move-only ticket that `commit` spends."""
@@ -44,13 +49,16 @@ class StepPlan:
     seq_lens: npt.NDArray[np.int32]
     page_tables: npt.NDArray[np.int32]
     sample_rows: npt.NDArray[np.int64]
-    draft_input_ids: npt.NDArray[np.int64]
+    verify_target_rows: npt.NDArray[np.int64]  # rows 1..B-1 of each verify block: where drafts go
+    # The draft pass: num_decode blocks of D = draft_rows rows (0: none this step), plan.rs.
+    draft_rows: int
+    draft_input_ids: npt.NDArray[np.int64]  # [bonus, MASK x (D-1)] per block
     draft_positions: npt.NDArray[np.int64]
     draft_slot_mapping: npt.NDArray[np.int64]
     draft_query_start_loc: npt.NDArray[np.int32]
     draft_seq_lens: npt.NDArray[np.int32]
-    draft_page_tables: npt.NDArray[np.int32]
-    verify_target_rows: npt.NDArray[np.int64]
+    draft_page_tables: npt.NDArray[np.int32]  # page_tables[:num_decode]
+    draft_proposal_rows: npt.NDArray[np.int64]  # rows 1..B-1 of each draft block: the K proposals
     def __len__(self) -> int: ...
 
 class CommitResult:
@@ -77,6 +85,7 @@ class Scheduler:
     page_size: int
     block_rows: int
     outstanding_step: int | None
+    draft_len_policy: str  # "fixed", "schedule" or "adaptive"
     def __init__(
         self,
         *,
@@ -90,6 +99,12 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         draft_len_schedule: list[tuple[int, int]] = [],
         draft_block_rows: int = 0,  # D: the draft's block (KV reserved for max(B, D) rows)
+        # Each step's K (rust/src/draft_len.rs): "fixed" (num_speculative_tokens; a non-empty
+        # draft_len_schedule makes it "schedule"), "schedule", or "adaptive": the candidate k
+        # (default: every k in 0..=num_speculative_tokens) with the most expected committed
+        # tokens per second once set_step_costs was called. Bad names/combinations: ValueError.
+        draft_len_policy: str = "fixed",
+        draft_len_candidates: list[int] = [],
     ) -> None: ...
     def add_request(
         self, request_id: str, prompt_token_ids: _Ints, max_tokens: int, stop_token_ids: _Ints | None = None
@@ -104,5 +119,12 @@ class Scheduler:
     def fail(self, plan: StepPlan, reason: str = "error") -> list[int]: ...
     def request_state(self, handle: int) -> tuple[str, int, list[int]]: ...
     def num_cached_tokens(self, handle: int) -> int: ...
-    def request_pages(self, handle: int) -> list[int]: ...
+    def set_step_costs(self, buckets: list[int], ks: list[int], seconds: list[list[float]]) -> None:
+        """Measured seconds of a decode step, seconds[i][j] for a batch padded to buckets[i]
+        (ascending) drafting ks[j] (ascending; 0 = plain decode); ValueError if malformed."""
+    def draft_len_counts(self) -> dict[int, int]:
+        """Planned steps with decoding requests, by the k they drafted (every choosable k)."""
+    def acceptance_estimates(self) -> list[float]:
+        """Global p_1..p_K: P(draft j accepted | drafts 1..j-1 were), decayed."""
+    def next_draft_len(self) -> int: ...
     def check_invariants(self) -> None: ...

@@ -138,8 +138,8 @@ class EngineConfig:
     # "auto" (default): see auto_speculative_config; None or "none": off; else a dict / JSON.
     speculative_config: SpeculativeConfig | dict | str | None = "auto"
     max_num_seqs: int = 64
-    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 8192)
-    max_num_batched_tokens: int | None = None  # default: 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192 (runtime_config)
+    max_num_batched_tokens: int | None = None  # default: max(2048, (K + 1) * max_num_seqs) (runtime_config)
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
@@ -151,12 +151,13 @@ class EngineConfig:
     # Share the KV (target and draft) of cached prompt prefixes, as vLLM's --enable-prefix-caching.
     enable_prefix_caching: bool = True
     # CPU GEMMs in the exact mode: a row's bits never depend on its batch, so spec-on equals
-    # spec-off exactly (slower at one request). None: $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT.
+    # spec-off exactly (slower at one request). None: $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT
+    # (decided in runtime_config.resolve, like every other default).
     batch_invariant: bool | None = None
     # Build step N's outputs (detokenise, stream hand-off) while the device runs step N+1.
     # None: on unless $DFLASH_OVERLAP=0.
     overlap: bool | None = None
-    # The fast CPU mode's GEMM weights (models/cpu_weights.py): "none" (the model's dtype),
+    # The fast CPU backend's GEMM weights (cpu/weights.py): "none" (the model's dtype),
     # "bf16", "int4" (int4 where a weight is on a 4-bit grid, bf16 elsewhere), or "auto": int4
     # for a GGUF model (the embedded default) at dtype "auto", bf16 for a bfloat16 model, else none.
     cpu_weights: str = "auto"
@@ -167,10 +168,6 @@ class EngineConfig:
             spec, why = auto_speculative_config(self.model, self.device)
             logger.info("speculative decoding %s (auto: %s)", "on" if spec else "off", why)
         self.speculative_config = SpeculativeConfig.parse(spec, self.model)
-        if self.batch_invariant is None:
-            from .models.layers import batch_invariant_from_env
-
-            self.batch_invariant = batch_invariant_from_env()
         for name in ("max_num_seqs", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -181,7 +178,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from .models.cpu_weights import FORMATS
+        from .cpu.weights import FORMATS
 
         if self.cpu_weights not in FORMATS:
             raise ValueError(f"cpu_weights must be one of {', '.join(FORMATS)}, got {self.cpu_weights!r}")

@@ -1,6 +1,6 @@
 """LLMEngine: schedule (Rust) -> launch (torch) -> wait -> commit (Rust) -> outputs.
 
-The host overlaps the device (issue 10, item 3; `DFLASH_OVERLAP=0` turns it off): a step
+The host overlaps the device (`overlap=False` or `DFLASH_OVERLAP=0` turn it off): a step
 schedules and launches step N+1 from step N's committed state (so drafting never misses
 N's acceptance), then, while the device runs N+1, turns N's committed result into outputs
 (detokenise, stop strings, RequestOutputs, and the async engine's hand-off to streams via
@@ -14,25 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from . import _core
 from .config import EngineConfig
-from .model_path import resolve_model_path
-from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .request_state import RequestState
+from .runtime_config import resolve
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
+from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_MAX_LEN_CAP = 8192
 
 
 @dataclass
@@ -76,29 +72,25 @@ class FaultInjector:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        model_path = resolve_model_path(config.model)
-        self.model_path = Path(model_path)
-        self.tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").exists() else None
-        from .models.config import ModelConfig
-        from .models.loader import read_config
-
-        mcfg = ModelConfig.from_dict(read_config(model_path))
-        self.max_model_len = config.max_model_len or min(mcfg.max_position_embeddings, _MAX_LEN_CAP)
-        self.runner = ModelRunner(config, self.model_path, self.max_model_len)
-        self.model_config = self.runner.model_config
-        self.num_speculative_tokens = self.runner.num_speculative_tokens
-        self.max_num_batched_tokens = self.runner.max_num_batched_tokens
+        rc = self.runtime_config = resolve(config)  # every default decided here, once
+        self.model_path = rc.model_path
+        self.tokenizer = Tokenizer.from_dir(rc.model_path) if (rc.model_path / "tokenizer.json").exists() else None
+        self.max_model_len = rc.max_model_len
+        self.runner = ModelRunner(rc)
+        self.model_config = rc.model_config
+        self.num_speculative_tokens = rc.num_speculative_tokens
+        self.max_num_batched_tokens = rc.max_num_batched_tokens
         self.scheduler = _core.Scheduler(
             num_pages=self.runner.num_pages,
-            page_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            num_speculative_tokens=self.num_speculative_tokens,
-            mask_token_id=self.runner.mask_token_id,
-            enable_prefix_caching=config.enable_prefix_caching,
-            draft_len_schedule=self.runner.draft_len_schedule,
-            draft_block_rows=self.runner.draft_rows,
+            page_size=rc.page_size,
+            max_num_seqs=rc.max_num_seqs,
+            max_num_batched_tokens=rc.max_num_batched_tokens,
+            max_model_len=rc.max_model_len,
+            num_speculative_tokens=rc.num_speculative_tokens,
+            mask_token_id=rc.mask_token_id,
+            enable_prefix_caching=rc.enable_prefix_caching,
+            draft_len_schedule=list(rc.draft_len_schedule),
+            draft_block_rows=rc.draft_rows,
         )
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.eos_token_ids = sorted(eos | set(self.model_config.eos_token_ids))
@@ -107,13 +99,22 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._stats = EngineStats(spec_accepted_per_pos=[0] * self.num_speculative_tokens)
         self.fault_injector: FaultInjector | None = None
-        # Process step N's outputs while the device runs step N+1 (module doc).
-        self.overlap = (config.overlap if config.overlap is not None
-                        else os.environ.get("DFLASH_OVERLAP", "1") != "0")
+        # Process step N's outputs while the device runs step N+1 (module doc): the step
+        # function is chosen here (and where `overlap` is set), not in every step.
+        self.step: Callable[[], list[RequestOutput]]
+        self.overlap = rc.overlap
         # When set, outputs ready during a step's device time go here at once (from the
         # stepping thread) rather than into step()'s return value.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
         self._pending = None  # the latest step's committed result, not yet turned into outputs
+
+    @property
+    def overlap(self) -> bool:
+        return self.step == self._step_overlapped
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.step = self._step_overlapped if on else self._step_sync
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -127,7 +128,7 @@ class LLMEngine:
     @property
     def synthetic_acceptance(self) -> bool:
         """Benchmark-only synthetic acceptance is on: label every output it touches."""
-        return self.runner.synthetic_rates is not None
+        return self.runtime_config.synthetic
 
     @property
     def max_concurrency(self) -> float:
@@ -193,7 +194,9 @@ class LLMEngine:
         return len(self._requests)
 
     # ---- the step -----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Schedule and launch step N+1, build step N's outputs while the device runs it,
+        then wait for N+1 and commit it (its outputs come with the next step)."""
         plan = self.scheduler.schedule()  # from the committed state: the previous step is in it
         if plan is None:
             self.runner.step_timer.pause()  # nothing to run: the wait until the next step is not idle time
@@ -202,18 +205,28 @@ class LLMEngine:
             flight = self._launch(plan)
         except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
             return self._take_outputs() + self._recover(plan, e)
-        outputs = []
-        if self.overlap:  # the previous step's host work, while the device runs this one
-            try:
-                outputs = self._emit(self._take_outputs())
-            except BaseException:
-                self._abandon(plan, flight)
-                raise
+        try:
+            outputs = self._emit(self._take_outputs())
+        except BaseException:
+            self._abandon(plan, flight)
+            raise
         try:
             self._pending = self._land(plan, flight)
         except Exception as e:  # noqa: BLE001
             return outputs + self._take_outputs() + self._recover(plan, e)
-        return outputs if self.overlap else self._take_outputs()
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
+        """Schedule, launch, wait, commit, then build this step's outputs."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            self.runner.step_timer.pause()
+            return self._take_outputs()
+        try:
+            self._pending = self._land(plan, self._launch(plan))
+        except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
+            return self._take_outputs() + self._recover(plan, e)
+        return self._take_outputs()
 
     def _launch(self, plan):
         if self.fault_injector is not None:

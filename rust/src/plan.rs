@@ -3,11 +3,15 @@
 //!
 //! Target pass rows are grouped per request (`query_start_loc`). Decoding requests come
 //! first, each with its verify block `[bonus, d_1 .. d_{B-1}]` at positions
-//! `committed .. committed+B-1`; prefill chunks follow. The draft pass is exactly the first
-//! `num_decode` requests / `num_decode * B` rows of the same arrays before the runner fills in
-//! the drafts: one block `[bonus, MASK x (B-1)]` per decoding request, same positions, same
-//! slots, same page tables (so it costs no second copy). The runner writes draft token k of a
-//! request into `verify_target_rows`, which are also the draft rows whose logits it reads.
+//! `committed .. committed+B-1`; prefill chunks follow. The runner writes draft token k of a
+//! request into `verify_target_rows` (rows 1..B-1 of each verify block).
+//!
+//! The draft pass ([`DraftPass`]) runs the first `num_decode` requests' draft blocks: D rows
+//! `[bonus, MASK x (D-1)]` at `committed .. committed+D-1`, D = max(B, the draft's trained
+//! block) (a draft proposes much worse in a block shorter than it was trained on), over the
+//! same page tables; rows 1..B-1 of each block (`proposal_rows`) are the K proposals. Its KV
+//! rows are scratch: the reservation covers max(B, D) rows past `committed`, and the context
+//! write of committed rows overwrites them. A step with B = 1 (no drafts) has no draft pass.
 //! Every slot and page id comes from here: Python derives none.
 //!
 //! The plan is information for the runner; the scheduler never reads it back. `commit`
@@ -82,6 +86,21 @@ impl PassArrays {
     }
 }
 
+/// The draft pass of a step: one block of `rows` (D) rows per decoding request.
+#[derive(Debug, Default)]
+pub struct DraftPass {
+    /// D: rows per block (0: no draft pass in this step).
+    pub rows: usize,
+    /// `[bonus, MASK x (D-1)]` per block.
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub slot_mapping: Vec<i64>,
+    /// `committed + D` per block (the context the block attends to, itself included).
+    pub seq_lens: Vec<i32>,
+    /// Rows 1..B-1 of every block: the K proposals, in draft-pass row numbers.
+    pub proposal_rows: Vec<i64>,
+}
+
 #[derive(Debug, Default)]
 pub struct StepPlan {
     pub step_id: u64,
@@ -94,8 +113,10 @@ pub struct StepPlan {
     pub sample_rows: Vec<i64>,
     /// Decoding requests: the first `num_decode` entries (and draft-pass requests).
     pub num_decode: usize,
-    /// Rows 1..B-1 of every verify block (draft rows, and where the drafts go).
+    /// Rows 1..B-1 of every verify block (where the drafts go).
     pub verify_target_rows: Vec<i64>,
+    /// The draft pass over the first `num_decode` requests (page tables: their target rows').
+    pub draft: DraftPass,
 }
 
 impl StepPlan {
@@ -104,9 +125,9 @@ impl StepPlan {
         self.sample_rows.len()
     }
 
-    /// Rows of the draft pass: the leading `num_decode * B` target rows.
+    /// Rows of the draft pass: `num_decode` blocks of D rows.
     pub fn num_draft_rows(&self) -> usize {
-        self.num_decode * self.block_rows
+        self.num_decode * self.draft.rows
     }
 }
 

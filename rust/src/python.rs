@@ -11,7 +11,8 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 use crate::error::{CoreError, Param};
 use crate::plan::{StepPlan, StepTicket};
 use crate::request::FinishReason;
-use crate::scheduler::{draft_len_for, pages_per_seq, Scheduler, SchedulerConfig};
+use crate::draft_len::{draft_len_for, DraftLenPolicy, StepCosts};
+use crate::scheduler::{pages_per_seq, Scheduler, SchedulerConfig};
 
 mod exc {
     use pyo3::create_exception;
@@ -62,6 +63,30 @@ fn to_py(e: CoreError) -> PyErr {
         CoreError::PlanOutstanding { .. } => exc::PlanOutstandingError::new_err(msg),
         CoreError::StalePlan(_) => exc::StalePlanError::new_err(msg),
         CoreError::InvalidCommit(_) => exc::InvalidCommitError::new_err(msg),
+    }
+}
+
+/// Non-negative integers, a negative one a `ValueError` naming `what`.
+fn counts_vec(v: Vec<i64>, what: &str) -> PyResult<Vec<usize>> {
+    v.into_iter()
+        .map(|x| usize::try_from(x).map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("{what}: {x} is negative"))))
+        .collect()
+}
+
+/// The draft-length policy by name. A non-empty `schedule` with "fixed" (the default) is the
+/// Schedule policy (the keyword that predates the policy); "adaptive" with no candidates
+/// considers every k in 0..=k_max.
+fn parse_policy(name: &str, schedule: Vec<(usize, usize)>, candidates: Vec<usize>, k_max: usize) -> PyResult<DraftLenPolicy> {
+    let err = |m: String| Err(pyo3::exceptions::PyValueError::new_err(m));
+    match name {
+        "fixed" | "schedule" if !candidates.is_empty() => err(format!("draft_len_candidates need draft_len_policy='adaptive', not {name:?}")),
+        "fixed" if schedule.is_empty() => Ok(DraftLenPolicy::Fixed),
+        "schedule" if schedule.is_empty() => err("draft_len_policy='schedule' needs a non-empty draft_len_schedule".into()),
+        "fixed" | "schedule" => Ok(DraftLenPolicy::Schedule(schedule)),
+        "adaptive" if !schedule.is_empty() => err("give either a draft_len_schedule or draft_len_policy='adaptive', not both".into()),
+        "adaptive" if candidates.is_empty() => Ok(DraftLenPolicy::Adaptive { candidates: (0..=k_max).collect() }),
+        "adaptive" => Ok(DraftLenPolicy::Adaptive { candidates }),
+        other => err(format!("unknown draft_len_policy {other:?} (fixed, schedule, adaptive)")),
     }
 }
 
@@ -142,6 +167,9 @@ pub struct PyStepPlan {
     page_tables: Py<PyArray2<i32>>,
     #[pyo3(get)]
     sample_rows: Py<PyArray1<i64>>,
+    /// D: rows per draft block (0: no draft pass this step). The draft pass's arrays follow.
+    #[pyo3(get)]
+    draft_rows: usize,
     #[pyo3(get)]
     draft_input_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -152,16 +180,24 @@ pub struct PyStepPlan {
     draft_query_start_loc: Py<PyArray1<i32>>,
     #[pyo3(get)]
     draft_seq_lens: Py<PyArray1<i32>>,
+    /// The first `num_decode` rows of `page_tables` (a view).
     #[pyo3(get)]
     draft_page_tables: Py<PyArray2<i32>>,
+    /// Rows 1..B-1 of every draft block: the proposals.
+    #[pyo3(get)]
+    draft_proposal_rows: Py<PyArray1<i64>>,
     #[pyo3(get)]
     verify_target_rows: Py<PyArray1<i64>>,
 }
 
 impl PyStepPlan {
-    fn new(py: Python<'_>, ticket: StepTicket, mut plan: StepPlan) -> PyResult<Self> {
+    fn new(py: Python<'_>, ticket: StepTicket, plan: StepPlan) -> PyResult<Self> {
+        Self::build(py, Some(ticket), plan)
+    }
+
+    fn build(py: Python<'_>, ticket: Option<StepTicket>, mut plan: StepPlan) -> PyResult<Self> {
         let r = plan.entries.len();
-        let (nd, nd_rows) = (plan.num_decode, plan.num_draft_rows());
+        let nd = plan.num_decode;
         let handles = plan.entries.iter().map(|e| e.handle).collect();
         let num_drafts = plan.entries.iter().map(|e| e.num_drafts() as i64).collect();
         let mut sample_start: Vec<i64> = plan.entries.iter().map(|e| e.sample_start as i64).collect();
@@ -173,21 +209,25 @@ impl PyStepPlan {
         let query_start_loc = arr1(py, t.query_start_loc)?;
         let seq_lens = arr1(py, t.seq_lens)?;
         let page_tables = arr2(py, t.page_tables, r, t.max_pages)?;
-        // The draft pass is the leading decode requests of the target pass (see plan.rs): views.
+        let dp = std::mem::take(&mut plan.draft);
+        let d = dp.rows;
+        let draft_qsl: Vec<i32> = (0..=if d > 0 { nd } else { 0 }).map(|i| (i * d) as i32).collect();
         Ok(PyStepPlan {
-            ticket: Mutex::new(Some(ticket)),
+            ticket: Mutex::new(ticket),
             step_id: plan.step_id,
             block_rows: plan.block_rows,
             num_decode: nd,
             handles: arr1(py, handles)?,
             num_drafts: arr1(py, num_drafts)?,
             sample_start: arr1(py, sample_start)?,
-            draft_input_ids: prefix(&input_ids, py, nd_rows)?,
-            draft_positions: prefix(&positions, py, nd_rows)?,
-            draft_slot_mapping: prefix(&slot_mapping, py, nd_rows)?,
-            draft_query_start_loc: prefix(&query_start_loc, py, nd + 1)?,
-            draft_seq_lens: prefix(&seq_lens, py, nd)?,
-            draft_page_tables: prefix(&page_tables, py, nd)?,
+            draft_rows: d,
+            draft_input_ids: arr1(py, dp.input_ids)?,
+            draft_positions: arr1(py, dp.positions)?,
+            draft_slot_mapping: arr1(py, dp.slot_mapping)?,
+            draft_query_start_loc: arr1(py, draft_qsl)?,
+            draft_seq_lens: arr1(py, dp.seq_lens)?,
+            draft_page_tables: prefix(&page_tables, py, if d > 0 { nd } else { 0 })?,
+            draft_proposal_rows: arr1(py, dp.proposal_rows)?,
             input_ids,
             positions,
             slot_mapping,
@@ -285,7 +325,8 @@ impl PyScheduler {
     #[new]
     #[pyo3(signature = (*, num_pages, page_size, max_num_seqs, max_num_batched_tokens, max_model_len,
                         num_speculative_tokens = 0, mask_token_id = 0, enable_prefix_caching = true,
-                        draft_len_schedule = Vec::new(), draft_block_rows = 0))]
+                        draft_len_schedule = Vec::new(), draft_block_rows = 0, draft_len_policy = "fixed",
+                        draft_len_candidates = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_pages: usize,
@@ -298,7 +339,11 @@ impl PyScheduler {
         enable_prefix_caching: bool,
         draft_len_schedule: Vec<(usize, usize)>,
         draft_block_rows: usize,
+        draft_len_policy: &str,
+        draft_len_candidates: Vec<i64>,
     ) -> PyResult<Self> {
+        let candidates = counts_vec(draft_len_candidates, "draft_len_candidates")?;
+        let draft_len_policy = parse_policy(draft_len_policy, draft_len_schedule, candidates, num_speculative_tokens)?;
         let cfg = SchedulerConfig {
             num_pages,
             page_size,
@@ -308,7 +353,7 @@ impl PyScheduler {
             num_speculative_tokens,
             mask_token_id,
             enable_prefix_caching,
-            draft_len_schedule,
+            draft_len_policy,
             draft_block_rows,
         };
         Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py)? })
@@ -415,9 +460,27 @@ impl PyScheduler {
         Ok(self.live(handle)?.num_cached_tokens())
     }
 
-    /// The page table of a live request (tests: sharing is visible as equal page ids).
-    fn request_pages(&self, handle: u64) -> PyResult<Vec<u32>> {
-        Ok(self.live(handle)?.pages().pages().to_vec())
+    /// Measured seconds of a decode step: `seconds[i][j]` for a batch padded to `buckets[i]`
+    /// drafting `ks[j]` (0: a plain decode step). Bad shapes or costs raise `ValueError`.
+    fn set_step_costs(&mut self, buckets: Vec<i64>, ks: Vec<i64>, seconds: Vec<Vec<f64>>) -> PyResult<()> {
+        let value_error = |e: CoreError| pyo3::exceptions::PyValueError::new_err(e.to_string());
+        let costs = StepCosts::new(counts_vec(buckets, "buckets")?, counts_vec(ks, "ks")?, seconds).map_err(value_error)?;
+        self.inner.set_step_costs(costs).map_err(value_error)
+    }
+
+    /// `{k: planned steps with decoding requests that drafted k}`, every k the policy can choose.
+    fn draft_len_counts(&self) -> std::collections::BTreeMap<usize, u64> {
+        self.inner.draft_len().counts().into_iter().collect()
+    }
+
+    /// Global acceptance estimates p_1..p_K: P(draft j accepted | drafts 1..j-1 were).
+    fn acceptance_estimates(&self) -> Vec<f64> {
+        self.inner.draft_len().global_estimates()
+    }
+
+    /// K the next `schedule()` drafts for the requests decoding now.
+    fn next_draft_len(&self) -> usize {
+        self.inner.next_draft_len()
     }
 
     fn check_invariants(&self) -> PyResult<()> {
@@ -479,6 +542,11 @@ impl PyScheduler {
     fn block_rows(&self) -> usize {
         self.inner.config().block_rows()
     }
+    /// "fixed", "schedule" or "adaptive".
+    #[getter]
+    fn draft_len_policy(&self) -> &'static str {
+        self.inner.config().draft_len_policy.name()
+    }
     #[getter]
     fn outstanding_step(&self) -> Option<u64> {
         self.inner.outstanding_step()
@@ -493,14 +561,38 @@ fn py_draft_len_for(schedule: Vec<(usize, usize)>, k_max: usize, num_decoding: u
     draft_len_for(&schedule, k_max, num_decoding)
 }
 
-/// Pages one request of `max_model_len` tokens holds at most (the core's admission bound).
+/// Pages one request of `max_model_len` tokens holds at most (the core's admission bound);
+/// `reserve_rows`: rows a decode step writes from `committed`, max(B, D).
 #[pyfunction]
 #[pyo3(name = "pages_per_seq")]
-fn py_pages_per_seq(max_model_len: usize, num_speculative_tokens: usize, page_size: usize) -> PyResult<usize> {
-    if page_size == 0 {
-        return Err(pyo3::exceptions::PyValueError::new_err("page_size must be >= 1"));
+fn py_pages_per_seq(max_model_len: usize, reserve_rows: usize, page_size: usize) -> PyResult<usize> {
+    if page_size == 0 || reserve_rows == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err("page_size and reserve_rows must be >= 1"));
     }
-    Ok(pages_per_seq(max_model_len, num_speculative_tokens + 1, page_size))
+    Ok(pages_per_seq(max_model_len, reserve_rows, page_size))
+}
+
+/// The largest eager step the engine can run, as a plan over a 2-page KV cache (see
+/// `profile::profile_plan`); it carries no ticket (nothing commits it).
+#[pyfunction]
+#[pyo3(name = "profile_plan")]
+#[allow(clippy::too_many_arguments)]
+fn py_profile_plan(
+    py: Python<'_>,
+    num_tokens: usize,
+    max_num_seqs: usize,
+    block_rows: usize,
+    draft_block_rows: usize,
+    reserve_rows: usize,
+    max_model_len: usize,
+    page_size: usize,
+    mask_token_id: u32,
+) -> PyResult<PyStepPlan> {
+    let plan = crate::profile::profile_plan(
+        num_tokens, max_num_seqs, block_rows, draft_block_rows, reserve_rows, max_model_len, page_size, mask_token_id,
+    )
+    .map_err(to_py)?;
+    PyStepPlan::build(py, None, plan)
 }
 
 #[pymodule]
@@ -520,6 +612,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NULL_PAGE", crate::page_pool::NULL_PAGE)?;
     m.add("FINISH_REASONS", FinishReason::NAMES.to_vec())?;
     m.add_function(wrap_pyfunction!(py_pages_per_seq, m)?)?;
+    m.add_function(wrap_pyfunction!(py_profile_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_draft_len_for, m)?)?;
     Ok(())
 }

@@ -17,6 +17,7 @@
 //! - a running request is in `running` and nowhere else; waiting/preempted ones in `waiting`;
 //! - a decoding request's pages cover `committed`; one in the outstanding step covers
 //!   `committed + B` (pages for the draft block are allocated before the step that drafts);
+//! - acceptance counts (draft_len.rs) exist only for live requests: they die in `remove`;
 //! - at most one step is outstanding; its record lives here, and only its move-only
 //!   [`StepTicket`] can apply, cancel or fail it (the caller's plan is never read back).
 
@@ -24,27 +25,18 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::draft_len::{DraftLen, DraftLenPolicy, StepCosts};
 use crate::error::{CoreError, CoreResult, Param};
 use crate::page_pool::{PagePool, NULL_PAGE};
 use crate::plan::{EntryKind, PlanEntry, StepPlan, StepTicket};
 use crate::request::{FinishReason, Phase, Request};
 
-/// Drafts of a step with `num_decoding` decoding requests under a draft-length schedule of
-/// `(max_decoding, k)` pairs (ascending): the k of the first pair with num_decoding <=
-/// max_decoding, past the last pair its k; no schedule: `k_max`. The one place this rule is
-/// written (exported to Python, which captures CUDA graphs per block length by it).
-pub fn draft_len_for(schedule: &[(usize, usize)], k_max: usize, num_decoding: usize) -> usize {
-    match schedule.iter().find(|&&(max_n, _)| num_decoding <= max_n) {
-        Some(&(_, k)) => k,
-        None => schedule.last().map_or(k_max, |&(_, k)| k),
-    }
-}
-
-/// Pages one request of `max_len` tokens holds at most: its last verify block reaches
-/// `block_rows` slots past its last token. The one place this bound is computed (admission
-/// checks it; the runner sizes pools with it through the Python binding).
-pub fn pages_per_seq(max_len: usize, block_rows: usize, page_size: usize) -> usize {
-    (max_len + block_rows).div_ceil(page_size)
+/// Pages one request of `max_len` tokens holds at most: its last decode step writes
+/// `reserve_rows` rows (`SchedulerConfig::reserve_rows`, max(B, D)) from its last committed
+/// position. The one place this bound is computed (admission checks it; the runner sizes
+/// pools and page-table widths with it through the Python binding).
+pub fn pages_per_seq(max_len: usize, reserve_rows: usize, page_size: usize) -> usize {
+    (max_len + reserve_rows).div_ceil(page_size)
 }
 
 /// Distinguishes schedulers so that a ticket of one is refused by another.
@@ -63,11 +55,10 @@ pub struct SchedulerConfig {
     pub mask_token_id: u32,
     /// Share cached prefixes at admission and publish computed full pages.
     pub enable_prefix_caching: bool,
-    /// Shorter draft blocks for larger batches: `(max_decoding, k)` pairs, ascending in
-    /// `max_decoding`; a step with n decoding requests drafts the k of the first pair with
-    /// n <= max_decoding (past the last pair: its k). Empty: always `num_speculative_tokens`.
-    /// Every k is in 1..=num_speculative_tokens (the KV reservation is sized for the largest).
-    pub draft_len_schedule: Vec<(usize, usize)>,
+    /// How each step's K is chosen (draft_len.rs): always `num_speculative_tokens` (Fixed), by
+    /// batch size (Schedule), or by live acceptance and measured step costs (Adaptive). Every
+    /// K is in 0..=num_speculative_tokens: the KV reservation is sized for the largest block.
+    pub draft_len_policy: DraftLenPolicy,
     /// D: rows of the draft's block (its trained block size), 0 for B. A decode step drafts
     /// a block of D rows (scratch KV at committed..committed+D-1) and verifies the first K
     /// of its proposals: a draft proposes much worse in a block shorter than it was trained
@@ -87,9 +78,12 @@ impl SchedulerConfig {
         self.block_rows().max(self.draft_block_rows)
     }
 
-    /// B of a step with `num_decoding` decoding requests (the draft-length schedule).
+    /// B of a step with `num_decoding` decoding requests under a static policy (Fixed,
+    /// Schedule); under Adaptive B depends on live state (`Scheduler::next_draft_len`): the
+    /// largest block here.
     pub fn block_rows_for(&self, num_decoding: usize) -> usize {
-        draft_len_for(&self.draft_len_schedule, self.num_speculative_tokens, num_decoding) + 1
+        let k = self.draft_len_policy.static_draft_len(self.num_speculative_tokens, num_decoding);
+        k.unwrap_or(self.num_speculative_tokens) + 1
     }
 
     fn validate(&self) -> CoreResult<()> {
@@ -106,21 +100,8 @@ impl SchedulerConfig {
         if self.max_model_len == 0 {
             return bad("max_model_len must be >= 1".into());
         }
-        if !self.draft_len_schedule.is_empty() && self.num_speculative_tokens == 0 {
-            return bad("draft_len_schedule needs speculation (num_speculative_tokens >= 1)".into());
-        }
-        for w in self.draft_len_schedule.windows(2) {
-            if w[0].0 >= w[1].0 {
-                return bad(format!("draft_len_schedule must be ascending in batch size, got {:?}", self.draft_len_schedule));
-            }
-        }
-        if let Some(&(n, k)) =
-            self.draft_len_schedule.iter().find(|&&(_, k)| k == 0 || k > self.num_speculative_tokens)
-        {
-            return bad(format!(
-                "draft_len_schedule entry ({n}, {k}): k must be in 1..={}",
-                self.num_speculative_tokens
-            ));
+        if let Err(m) = self.draft_len_policy.validate(self.num_speculative_tokens) {
+            return bad(m);
         }
         if self.draft_block_rows != 0 && (self.num_speculative_tokens == 0 || self.draft_block_rows < self.block_rows()) {
             return bad(format!(
@@ -210,12 +191,15 @@ pub struct Scheduler {
     /// from the cache (vLLM's `prefix_cache_queries` / `prefix_cache_hits`).
     prefix_cache_queries: u64,
     prefix_cache_hits: u64,
+    /// Each step's K, and the acceptance it learns from (per-request counts die in `remove`).
+    draft_len: DraftLen,
 }
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> CoreResult<Self> {
         cfg.validate()?;
         let pool = PagePool::new(cfg.num_pages, cfg.page_size);
+        let draft_len = DraftLen::new(cfg.draft_len_policy.clone(), cfg.num_speculative_tokens);
         Ok(Scheduler {
             id: NEXT_SCHEDULER_ID.fetch_add(1, Ordering::Relaxed),
             cfg,
@@ -230,6 +214,7 @@ impl Scheduler {
             num_preemptions: 0,
             prefix_cache_queries: 0,
             prefix_cache_hits: 0,
+            draft_len,
         })
     }
 
@@ -239,6 +224,30 @@ impl Scheduler {
 
     pub fn pool(&self) -> &PagePool {
         &self.pool
+    }
+
+    /// The draft-length policy's state: acceptance estimates, step costs, counters.
+    pub fn draft_len(&self) -> &DraftLen {
+        &self.draft_len
+    }
+
+    /// Measured seconds of a decode step per (batch bucket, k), from the runner at startup.
+    pub fn set_step_costs(&mut self, costs: StepCosts) -> CoreResult<()> {
+        self.draft_len.set_step_costs(costs)
+    }
+
+    /// K the next `schedule()` drafts, given the requests decoding now.
+    pub fn next_draft_len(&self) -> usize {
+        self.draft_len.choose(&self.decoding_among(None))
+    }
+
+    /// Running requests in `Decoding` (only `only`, if given), in running order.
+    fn decoding_among(&self, only: Option<u64>) -> Vec<u64> {
+        self.running
+            .iter()
+            .copied()
+            .filter(|&h| only.is_none_or(|o| o == h) && matches!(self.requests[&h].phase(), Phase::Decoding))
+            .collect()
     }
 
     /// Queue a request; rejects at once what could never be served.
@@ -310,6 +319,7 @@ impl Scheduler {
     fn remove(&mut self, handle: u64, reason: FinishReason) -> Request {
         let mut req = self.requests.remove(&handle).expect("live request");
         self.ids.remove(req.id());
+        self.draft_len.forget(handle);
         if req.phase().is_running() {
             self.running.retain(|&h| h != handle);
         } else {
@@ -342,12 +352,8 @@ impl Scheduler {
         if let Some(o) = &self.outstanding {
             return Err(CoreError::PlanOutstanding { step_id: o.step_id });
         }
-        let num_decoding = self
-            .running
-            .iter()
-            .filter(|&&h| only.is_none_or(|o| o == h) && matches!(self.requests[&h].phase(), Phase::Decoding))
-            .count();
-        let b = self.cfg.block_rows_for(num_decoding);
+        // K from the requests decoding at the start of the step (schedule_only: that one alone).
+        let b = self.draft_len.choose(&self.decoding_among(only)) + 1;
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut chosen: Vec<(u64, EntryKind)> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted_any = false;
@@ -431,6 +437,9 @@ impl Scheduler {
         // Decoding requests first: the draft pass is then a prefix of the target pass.
         chosen.sort_by_key(|(_, k)| matches!(k, EntryKind::Prefill { .. }));
         let plan = self.build_plan(step_id, &chosen, max_pages, b);
+        if plan.num_decode > 0 {
+            self.draft_len.record_choice(b - 1);
+        }
         self.outstanding = Some(Outstanding {
             step_id,
             block_rows: b,
@@ -450,6 +459,9 @@ impl Scheduler {
         let rows: usize = chosen.iter().map(|(_, k)| k.num_rows(b)).sum();
         plan.sample_rows.reserve(num_decode * b + chosen.len());
         plan.verify_target_rows.reserve(num_decode * b);
+        // D: the draft block (see plan.rs); no draft pass when the step verifies no drafts.
+        let d = if b > 1 { b.max(self.cfg.draft_block_rows) } else { 0 };
+        plan.draft.rows = d;
         plan.entries.reserve(chosen.len());
         let t = &mut plan.target;
         for v in [&mut t.input_ids, &mut t.positions, &mut t.slot_mapping] {
@@ -492,6 +504,18 @@ impl Scheduler {
                     push_slots(&mut t.slot_mapping, pages, ps, committed, b);
                     plan.sample_rows.extend((q_start..q_start + b).map(|r| r as i64));
                     plan.verify_target_rows.extend((q_start + 1..q_start + b).map(|r| r as i64));
+                    if d > 0 {
+                        // The draft block's rows past the verify block are reserved too
+                        // (`reach` in schedule_among): push_slots panics on a missing page.
+                        let dp = &mut plan.draft;
+                        let first = dp.input_ids.len();
+                        dp.input_ids.push(tokens[committed] as i64);
+                        dp.input_ids.extend(std::iter::repeat_n(mask, d - 1));
+                        dp.positions.extend((committed..committed + d).map(|p| p as i64));
+                        push_slots(&mut dp.slot_mapping, pages, ps, committed, d);
+                        dp.seq_lens.push((committed + d) as i32);
+                        dp.proposal_rows.extend((first + 1..first + b).map(|r| r as i64));
+                    }
                     committed + b
                 }
             };
@@ -549,6 +573,11 @@ impl Scheduler {
             self.outstanding = Some(o);
             return Err(Refused { error, ticket });
         }
+        // Acceptance is learned before any request of the step leaves (its counts die with it).
+        let decoded = o.entries.iter().zip(accepted).filter(|(e, _)| {
+            matches!(e.kind, EntryKind::Decode { .. }) && self.requests.contains_key(&e.handle)
+        });
+        self.draft_len.observe_step(decoded.map(|(e, &a)| (e.handle, e.num_drafts(), a as usize)));
         let n = o.entries.len();
         let mut out = CommitBatch {
             handles: Vec::with_capacity(n),
@@ -751,6 +780,7 @@ impl Scheduler {
         if self.running.len() > self.cfg.max_num_seqs {
             return Err("more running requests than max_num_seqs".into());
         }
+        self.draft_len.check(|h| self.requests.contains_key(&h))?;
         Ok(())
     }
 }

@@ -10,11 +10,19 @@
 //! - refcounts equal the number of page tables holding each page (counted here, not by the core);
 //! - admission shares at least every page that a live request holds published with an equal
 //!   token prefix (and never the page holding the last token to prefill);
-//! - the pool is full again after every request finishes.
+//! - the pool is full again after every request finishes;
+//! - draft length (the Adaptive policy under random cost tables): the acceptance estimates
+//!   equal a reference recomputed here from the plans and results (what each commit teaches,
+//!   counts gone with their request), every step drafts a k with the most expected tokens per
+//!   second by the reference, the same operations choose the same k's, and the counters
+//!   count every planned step with decoding requests.
 
 use std::collections::HashMap;
 
-use _core::{pages_per_seq, CoreError, EntryKind, FinishReason, Phase, Scheduler, SchedulerConfig, StepPlan, StepTicket};
+use _core::{
+    draft_len, pages_per_seq, CoreError, DraftLenPolicy, EntryKind, FinishReason, Phase, Scheduler, SchedulerConfig,
+    StepCosts, StepPlan, StepTicket,
+};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -92,8 +100,112 @@ enum RowContent {
     Verify { committed: usize, i: usize },
 }
 
+/// Decayed per-position (trials, accepts), index j - 1 for position j.
+type Counts = (Vec<f64>, Vec<f64>);
+
+/// draft_len.rs's estimator and choice, written again from its doc.
+struct DraftLenRef {
+    k: usize,
+    /// (buckets, seconds[bucket][k] for k = 0..=K) once handed to the core.
+    costs: Option<(Vec<usize>, Vec<Vec<f64>>)>,
+    /// Acceptance by handle % 3 (uniform, every draft, none) instead of uniform.
+    skew: bool,
+    global: Counts,
+    /// Handles stay after their request leaves (handles are never reused).
+    requests: HashMap<u64, Counts>,
+    /// K of every planned step with decoding requests.
+    chosen: Vec<usize>,
+}
+
+impl DraftLenRef {
+    fn new(k: usize) -> Self {
+        let global = (vec![0.0; k], vec![0.0; k]);
+        DraftLenRef { k, costs: None, skew: false, global, requests: HashMap::new(), chosen: Vec::new() }
+    }
+
+    fn observe(c: &mut Counts, decay: f64, num_drafts: usize, accepted: usize) {
+        c.0.iter_mut().chain(c.1.iter_mut()).for_each(|x| *x *= decay);
+        // Positions 1..=accepted accepted; accepted+1 rejected if proposed; nothing past it.
+        for j in 0..num_drafts.min(accepted + 1) {
+            c.0[j] += 1.0;
+            c.1[j] += (j < accepted) as u8 as f64;
+        }
+    }
+
+    /// One commit: (handle, drafts, accepted) of its decode entries still live.
+    fn commit(&mut self, results: &[(u64, usize, usize)]) {
+        if results.is_empty() {
+            return;
+        }
+        let k = self.k;
+        self.global.0.iter_mut().chain(self.global.1.iter_mut()).for_each(|x| *x *= draft_len::GLOBAL_DECAY);
+        for &(h, d, a) in results {
+            Self::observe(&mut self.global, 1.0, d, a);
+            let own = self.requests.entry(h).or_insert_with(|| (vec![0.0; k], vec![0.0; k]));
+            Self::observe(own, draft_len::REQUEST_DECAY, d, a);
+        }
+    }
+
+    fn global_estimates(&self) -> Vec<f64> {
+        let mut prior = draft_len::PRIOR_FIRST;
+        (0..self.k)
+            .map(|j| {
+                let w = draft_len::PRIOR_WEIGHT;
+                let p = (self.global.1[j] + w * prior) / (self.global.0[j] + w);
+                prior = draft_len::PRIOR_DECAY * p;
+                p
+            })
+            .collect()
+    }
+
+    fn request_estimates(&self, h: u64) -> Vec<f64> {
+        let g = self.global_estimates();
+        let Some((n, a)) = self.requests.get(&h) else { return g };
+        let n0 = draft_len::REQUEST_PRIOR_WEIGHT;
+        (0..self.k).map(|j| { let w = n[j] / (n[j] + n0); if n[j] > 0.0 { w * a[j] / n[j] + (1.0 - w) * g[j] } else { g[j] } }).collect()
+    }
+
+    /// The k's a step over `decoding` may draft (more than one only on a near tie).
+    fn choices(&self, policy: &DraftLenPolicy, decoding: &[u64]) -> Vec<usize> {
+        if let Some(k) = policy.static_draft_len(self.k, decoding.len()) {
+            return vec![k];
+        }
+        let (DraftLenPolicy::Adaptive { candidates }, Some((buckets, secs))) = (policy, &self.costs) else {
+            return vec![self.k];
+        };
+        if decoding.is_empty() {
+            return vec![self.k];
+        }
+        let row = &secs[buckets.iter().position(|&b| b >= decoding.len()).unwrap_or(buckets.len() - 1)];
+        let rate = |k: usize| {
+            let tokens: f64 = decoding
+                .iter()
+                .map(|&h| {
+                    let p = self.request_estimates(h);
+                    1.0 + (1..=k).map(|j| p[..j].iter().product::<f64>()).sum::<f64>()
+                })
+                .sum();
+            tokens / row[k]
+        };
+        let best = candidates.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
+        candidates.iter().copied().filter(|&k| rate(k) >= best * (1.0 - 1e-9)).collect()
+    }
+
+    fn check(&self, s: &Scheduler, live: &HashMap<u64, Model>) {
+        let close = |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9);
+        let dl = s.draft_len();
+        assert!(close(&dl.global_estimates(), &self.global_estimates()), "{:?} vs {:?}", dl.global_estimates(), self.global_estimates());
+        for h in live.keys() {
+            assert!(close(&dl.request_estimates(*h), &self.request_estimates(*h)), "request {h}: acceptance estimates");
+        }
+        let tracked = self.requests.keys().filter(|h| live.contains_key(h)).count();
+        assert_eq!(dl.num_tracked(), tracked, "acceptance counts of requests that are gone");
+    }
+}
+
 struct Harness {
     s: Scheduler,
+    dl: DraftLenRef,
     model: HashMap<u64, Model>,
     /// slot -> the token prefix its K/V (target and draft) were computed from; None = garbage.
     content: HashMap<i64, Option<Vec<u32>>>,
@@ -108,6 +220,7 @@ impl Harness {
     fn check(&self) {
         self.s.check_invariants().unwrap();
         assert_eq!(self.s.num_live(), self.model.len());
+        self.dl.check(&self.s, &self.model);
         let pool = self.s.pool();
         let mut owners: HashMap<u32, u32> = HashMap::new();
         for (h, m) in &self.model {
@@ -209,26 +322,40 @@ impl Harness {
             .filter(|(_, (ph, _))| matches!(ph, Phase::Waiting | Phase::Preempted))
             .map(|(h, _)| (*h, self.expected_hit_pages(*h)))
             .collect();
+        // The step's K: the policy's for the requests decoding before it.
+        let decoding: Vec<u64> = before.iter().filter(|(_, (ph, _))| matches!(ph, Phase::Decoding)).map(|(h, _)| *h).collect();
+        let want_k = self.dl.choices(&self.s.config().draft_len_policy, &decoding);
+        let next_k = self.s.next_draft_len();
         let Some((ticket, plan)) = self.s.schedule().unwrap() else {
             assert_eq!(self.s.num_running(), 0, "nothing scheduled while requests run");
             self.check();
             return None;
         };
         self.check();
+        if plan.num_decode > 0 {
+            assert_eq!(plan.block_rows, next_k + 1, "next_draft_len is what schedule() drafts");
+            assert!(want_k.contains(&next_k), "drafted {next_k}, the reference picks {want_k:?}");
+            self.dl.chosen.push(next_k);
+        }
         let ps = self.ps;
         for e in &plan.entries {
             let r = self.s.request(e.handle).unwrap();
             let tokens = &self.model[&e.handle].tokens;
             let read_end = match e.kind {
                 EntryKind::Decode { committed } => {
-                    // The step's block: the schedule's for the requests decoding before it.
-                    let decoding = before.values().filter(|(ph, _)| matches!(ph, Phase::Decoding)).count();
-                    assert_eq!(plan.block_rows, self.s.config().block_rows_for(decoding));
                     assert!(plan.block_rows <= self.b && e.num_samples == plan.block_rows);
                     // The verify block and the (possibly longer) draft block's scratch rows.
                     assert!(r.pages().capacity() >= committed + plan.block_rows);
                     assert!(r.pages().capacity() >= committed + self.s.config().draft_block_rows);
                     assert_eq!(before[&e.handle], (Phase::Decoding, committed));
+                    // The draft pass: this request's block of D rows, in its own pages.
+                    let d = plan.draft.rows;
+                    assert_eq!(d, if plan.block_rows > 1 { plan.block_rows.max(self.s.config().draft_block_rows) } else { 0 });
+                    let i = plan.entries.iter().position(|x| x.handle == e.handle).unwrap();
+                    for (j, row) in (i * d..(i + 1) * d).enumerate() {
+                        assert_eq!(plan.draft.positions[row], (committed + j) as i64);
+                        assert_eq!(plan.draft.slot_mapping[row], r.pages().slot(committed + j));
+                    }
                     committed
                 }
                 EntryKind::Prefill { start, .. } => {
@@ -266,7 +393,15 @@ impl Harness {
             }
         }
         let mut rng = Rng(seed);
-        let accepted: Vec<u32> = plan.entries.iter().map(|e| rng.below(e.num_drafts() as u64 + 1) as u32).collect();
+        let skew = self.dl.skew;
+        let accepted: Vec<u32> = plan
+            .entries
+            .iter()
+            .map(|e| {
+                let (d, u) = (e.num_drafts() as u64, rng.below(e.num_drafts() as u64 + 1));
+                (if !skew { u } else { [u, d, 0][(e.handle % 3) as usize] }) as u32
+            })
+            .collect();
         let sampled: Vec<u32> = plan.sample_rows.iter().map(|_| 3 + rng.below(40) as u32).collect();
         Some((ticket, plan, accepted, sampled))
     }
@@ -307,6 +442,13 @@ impl Harness {
         let out = self.s.commit(ticket, accepted, sampled).map_err(|r| r.error).unwrap();
         let live: Vec<_> = plan.entries.iter().zip(accepted).filter(|(e, _)| before.contains_key(&e.handle)).collect();
         assert_eq!(out.handles.len(), live.len(), "one result per still-live planned request");
+        // Acceptance: what each still-live decode entry proposed and accepted.
+        let decoded: Vec<(u64, usize, usize)> = live
+            .iter()
+            .filter(|(e, _)| matches!(e.kind, EntryKind::Decode { .. }))
+            .map(|(e, &a)| (e.handle, e.num_drafts(), a as usize))
+            .collect();
+        self.dl.commit(&decoded);
         // What the step wrote, in the model's terms (the committed tokens are known after the loop).
         let rows: HashMap<u64, Vec<(i64, RowContent)>> = Self::rows(plan).into_iter().collect();
         for (h, rs) in &rows {
@@ -394,6 +536,27 @@ fn run_with(
     schedule: Vec<(usize, usize)>,
     draft_block_rows: usize,
 ) {
+    let policy = if schedule.is_empty() { DraftLenPolicy::Fixed } else { DraftLenPolicy::Schedule(schedule) };
+    run_policy(ops, num_pages, k, budget, weak_hash, policy, draft_block_rows, None, false);
+}
+
+/// Step costs handed to the core before operation `at` (or before draining): buckets and
+/// `seconds[bucket][k]` for k = 0..=K.
+type CostsAt = (usize, Vec<usize>, Vec<Vec<f64>>);
+
+/// Returns the K of every planned step with decoding requests.
+#[allow(clippy::too_many_arguments)]
+fn run_policy(
+    ops: Vec<Op>,
+    num_pages: usize,
+    k: usize,
+    budget: usize,
+    weak_hash: bool,
+    policy: DraftLenPolicy,
+    draft_block_rows: usize,
+    costs: Option<CostsAt>,
+    skew: bool,
+) -> Vec<usize> {
     let cfg = SchedulerConfig {
         num_pages,
         page_size: 4,
@@ -403,7 +566,7 @@ fn run_with(
         num_speculative_tokens: k,
         mask_token_id: 1,
         enable_prefix_caching: true,
-        draft_len_schedule: schedule,
+        draft_len_policy: policy,
         draft_block_rows,
     };
     let s = Scheduler::new(cfg).unwrap();
@@ -412,8 +575,22 @@ fn run_with(
         s.pool().set_hash_fn(|_, parent, toks| (parent + toks.iter().map(|&t| t as u64).sum::<u64>()) % 4);
     }
     let reserve = (k + 1).max(draft_block_rows);
-    let mut h = Harness { s, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, reserve, ps: 4 };
+    let mut dl = DraftLenRef::new(k);
+    dl.skew = skew;
+    let mut h = Harness { s, dl, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, reserve, ps: 4 };
+    let mut costs = costs;
+    let mut hand_over_costs = |h: &mut Harness, now: bool| {
+        if let Some((_, buckets, seconds)) = costs.take_if(|c| now || c.0 == 0) {
+            let step_costs = StepCosts::new(buckets.clone(), (0..=k).collect(), seconds.clone()).unwrap();
+            h.s.set_step_costs(step_costs).unwrap();
+            h.dl.costs = Some((buckets, seconds));
+        }
+        if let Some(c) = costs.as_mut() {
+            c.0 -= 1;
+        }
+    };
     for op in ops {
+        hand_over_costs(&mut h, false);
         match op {
             Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),
             Op::AddFollowUp { pick, own, max_tokens } => h.add_follow_up(pick, own, max_tokens),
@@ -456,6 +633,7 @@ fn run_with(
             }
         }
     }
+    hand_over_costs(&mut h, true);
     // Drain: everything finishes (max_tokens bounds it) and the pool is full again.
     for i in 0..10_000u64 {
         if h.s.num_live() == 0 {
@@ -469,6 +647,28 @@ fn run_with(
     assert_eq!(h.s.num_free_pages(), num_pages - 1, "pool not full after all requests finished");
     assert!(h.s.prefix_cache_hits() <= h.s.prefix_cache_queries());
     h.s.pool().check_integrity().unwrap();
+    // Every planned step with decoding requests is counted under its K.
+    for (kk, n) in h.s.draft_len().counts() {
+        assert_eq!(n as usize, h.dl.chosen.iter().filter(|&&c| c == kk).count(), "steps counted under k = {kk}");
+    }
+    assert_eq!(h.s.draft_len().counts().iter().map(|&(_, n)| n as usize).sum::<usize>(), h.dl.chosen.len());
+    h.dl.chosen
+}
+
+/// A random Adaptive setup for K = k: candidates (k always among them), cost buckets, a cost
+/// table with random seconds per (bucket, k), and when to hand it over.
+fn adaptive_case(k: usize) -> impl Strategy<Value = (Vec<usize>, CostsAt)> {
+    (
+        prop::collection::vec(any::<bool>(), k),
+        prop::sample::subsequence(vec![1usize, 2, 3, 4, 6, 8], 1..=6),
+        prop::collection::vec(prop::collection::vec(0.05f64..4.0, k + 1), 6),
+        0usize..80,
+    )
+        .prop_map(move |(mask, buckets, rows, at)| {
+            let candidates: Vec<usize> = (0..k).filter(|&j| mask[j]).chain([k]).collect();
+            let seconds = rows[..buckets.len()].to_vec();
+            (candidates, (at, buckets, seconds))
+        })
 }
 
 proptest! {
@@ -503,6 +703,21 @@ proptest! {
     }
 
     #[test]
+    fn adaptive_draft_len_under_page_pressure(
+        ops in prop::collection::vec(op(), 1..120),
+        pages in 8usize..40,
+        (candidates, costs) in adaptive_case(3),
+        (candidates7, costs7) in adaptive_case(7),
+    ) {
+        let adaptive = |candidates: Vec<usize>| DraftLenPolicy::Adaptive { candidates };
+        let first = run_policy(ops.clone(), pages, 3, 24, false, adaptive(candidates.clone()), 0, Some(costs.clone()), true);
+        let again = run_policy(ops.clone(), pages, 3, 24, false, adaptive(candidates), 0, Some(costs), true);
+        prop_assert_eq!(first, again, "the same operations chose different draft lengths");
+        // K = 7 under a 16-row draft block, costs from the start or later.
+        run_policy(ops, pages + 8, 7, 32, false, adaptive(candidates7), 16, Some(costs7), true);
+    }
+
+    #[test]
     fn colliding_hashes_only_cost_hits(ops in prop::collection::vec(op(), 1..120), pages in 10usize..40) {
         run(ops, pages, 3, 16, true);
     }
@@ -531,10 +746,10 @@ fn shared_prefixes_hit_in_the_harness() {
         num_speculative_tokens: 3,
         mask_token_id: 1,
         enable_prefix_caching: true,
-        draft_len_schedule: Vec::new(),
+        draft_len_policy: DraftLenPolicy::Fixed,
         draft_block_rows: 0,
     };
-    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, reserve: 4, ps: 4 };
+    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), dl: DraftLenRef::new(3), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, reserve: 4, ps: 4 };
     for op in ops {
         match op {
             Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),
@@ -550,4 +765,19 @@ fn shared_prefixes_hit_in_the_harness() {
     // Second request: 7 pages of family 0; third: page 0 holds 4 of the 6 common tokens, page 1
     // diverges at token 6; the follow-up shares everything its parent committed.
     assert!(h.s.prefix_cache_hits() >= 28 + 4, "hits: {}", h.s.prefix_cache_hits());
+}
+
+/// The Adaptive property above would pass vacuously if every step drafted K: with a cost
+/// table where drafting pays only for good acceptance, these operations see several k's.
+#[test]
+fn adaptive_harness_sees_several_draft_lengths() {
+    let mut ops = Vec::new();
+    for i in 0..12 {
+        ops.push(Op::Add { family: i % 3, shared: 0, own: 3, max_tokens: 20, stop: false });
+        ops.extend((0..6).map(|s| Op::Step { seed: i as u64 * 10 + s }));
+    }
+    let seconds = vec![vec![1.0, 1.6, 1.9, 2.2], vec![1.0, 1.8, 2.4, 3.0]];
+    let chosen = run_policy(ops, 60, 3, 64, false, DraftLenPolicy::Adaptive { candidates: vec![0, 1, 2, 3] }, 0, Some((0, vec![1, 4], seconds)), true);
+    let seen: std::collections::BTreeSet<usize> = chosen.iter().copied().collect();
+    assert!(seen.contains(&0) && seen.contains(&3) && seen.len() >= 3, "chosen: {chosen:?}");
 }

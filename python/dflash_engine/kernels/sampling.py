@@ -1,4 +1,4 @@
-"""CUDA-graph-capturable sampling and acceptance; references: `dflash_engine.sampler`.
+"""CUDA-graph-capturable sampling and acceptance; references: `dflash_engine.ops.sampling`.
 
 `sample` returns, for the same inputs, the tokens of `sampler.sample`: greedy rows take
 the argmax (first index of the maximum); random rows scale by temperature, keep the

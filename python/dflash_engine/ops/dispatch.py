@@ -17,8 +17,10 @@ from torch import Tensor
 
 from . import activation as _act
 from . import attention as _attn
+from . import linear as _lin
 from . import norm as _norm
 from . import rotary as _rot
+from . import sampling as _sampling
 
 _REFERENCE_ON_GPU = os.environ.get("DFLASH_REFERENCE_OPS", "") == "1"
 
@@ -31,6 +33,12 @@ def use_kernels(x: Tensor) -> bool:
     if x.is_cuda:
         return not _REFERENCE_ON_GPU
     return kernels_on_cpu()
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, batch_invariant: bool) -> Tensor:
+    """x @ weight.T (+ bias). `batch_invariant`: the model's exact-mode flag (ops/linear.py);
+    GEMMs are cuBLAS / BLAS on every device (no Triton GEMM)."""
+    return _lin.linear(x, weight, bias, batch_invariant)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -91,3 +99,30 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _attn.Att
             meta.causal, meta.max_query_len,
         )
     return _attn.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def sample(logits: Tensor, st: _sampling.SamplingTensors, all_greedy: bool) -> Tensor:
+    """logits [N, V] float32 -> tokens [N] int64 (greedy rows: the argmax)."""
+    if use_kernels(logits):
+        from ..kernels import sampling
+
+        return sampling.sample(logits, st.greedy, st.temperature, st.top_k, st.top_p, st.min_p, st.seed,
+                               st.position, all_greedy=all_greedy)
+    if all_greedy:
+        return _sampling.greedy(logits)
+    return _sampling.sample(logits, st)
+
+
+def accept(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
+    """draft [n, B-1], target [n, B] -> accepted drafts per request [n] int64."""
+    if use_kernels(target_tokens):
+        from ..kernels import sampling
+
+        return sampling.accept(draft_tokens, target_tokens)
+    return _sampling.accept(draft_tokens, target_tokens)
+
+
+def synthetic_accept(drafts: Tensor, sampled: Tensor, seed: Tensor, position: Tensor, rates: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+    """Benchmark-only acceptance (integer ops only: one implementation, capturable)."""
+    return _sampling.synthetic_accept(drafts, sampled, seed, position, rates)

@@ -10,7 +10,7 @@ fn cfg(num_pages: usize, k: usize) -> SchedulerConfig {
         num_speculative_tokens: k,
         mask_token_id: 999,
         enable_prefix_caching: true,
-        draft_len_schedule: Vec::new(),
+        draft_len_policy: DraftLenPolicy::Fixed,
         draft_block_rows: 0,
     }
 }
@@ -64,6 +64,10 @@ fn prefill_then_speculative_decode_layout() {
     assert_eq!(p.target.seq_lens, vec![9]);
     assert_eq!(p.sample_rows, vec![0, 1, 2, 3]);
     assert_eq!(p.verify_target_rows, vec![1, 2, 3]);
+    assert_eq!(p.draft.input_ids, vec![7, 999, 999, 999]);
+    assert_eq!(p.draft.positions, p.target.positions);
+    assert_eq!(p.draft.slot_mapping, p.target.slot_mapping);
+    assert_eq!((p.draft.seq_lens.clone(), p.draft.proposal_rows.clone()), (vec![9], vec![1, 2, 3]));
     assert_eq!(p.entries[0].num_rows(), 4);
     // Pages for committed + B = 9 positions exist before drafting.
     assert!(s.request(h).unwrap().pages().capacity() >= 9);
@@ -291,6 +295,30 @@ fn decoding_requests_lead_the_plan_so_the_draft_pass_is_a_prefix() {
     assert_eq!(p.num_draft_rows(), 8);
     assert_eq!(&p.target.input_ids[..8], &[7, 999, 999, 999, 10, 999, 999, 999]);
     assert_eq!(p.verify_target_rows, vec![1, 2, 3, 5, 6, 7]);
+    assert_eq!(p.draft.proposal_rows, vec![1, 2, 3, 5, 6, 7]);
+}
+
+#[test]
+fn draft_block_longer_than_the_verify_block_lies_in_reserved_pages() {
+    // K = 3 verified of a draft trained on blocks of 8 rows: the draft pass runs 8 rows per
+    // request, at committed..committed+7, in slots the scheduler reserved for it.
+    let mut c = cfg(64, 3);
+    c.draft_block_rows = 8;
+    let mut s = Scheduler::new(c).unwrap();
+    let h = s.add_request("a", vec![1, 2, 3, 4, 5, 6], 30, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[7]);
+    let (_, p) = step(&mut s);
+    assert_eq!((p.block_rows, p.draft.rows, p.num_draft_rows()), (4, 8, 8));
+    assert_eq!(p.draft.input_ids, vec![7, 999, 999, 999, 999, 999, 999, 999]);
+    assert_eq!(p.draft.positions, (6..14).collect::<Vec<i64>>());
+    assert_eq!(p.draft.seq_lens, vec![14]);
+    assert_eq!(p.draft.proposal_rows, vec![1, 2, 3]);
+    let pages = s.request(h).unwrap().pages().pages().to_vec();
+    let ps = s.config().page_size as i64;
+    let want: Vec<i64> = (6..14).map(|q: i64| pages[(q / ps) as usize] as i64 * ps + q % ps).collect();
+    assert_eq!(p.draft.slot_mapping, want);
+    assert_eq!(&p.draft.slot_mapping[..4], &p.target.slot_mapping[..]);
 }
 
 #[test]
@@ -516,14 +544,14 @@ fn equal_prefixes_computed_side_by_side_publish_once_and_chain_on() {
 #[test]
 fn draft_len_schedule_shortens_the_block_as_the_batch_grows() {
     let mut c = cfg(64, 7);
-    c.draft_len_schedule = vec![(1, 7), (2, 3)];
+    c.draft_len_policy = DraftLenPolicy::Schedule(vec![(1, 7), (2, 3)]);
     assert_eq!((c.block_rows_for(0), c.block_rows_for(1), c.block_rows_for(2), c.block_rows_for(9)), (8, 8, 4, 4));
     let mut s = Scheduler::new(c).unwrap();
     let a = s.add_request("a", vec![1, 2, 3], 30, vec![]).unwrap();
     let (t, _) = step(&mut s);
     commit(&mut s, t, &[0], &[5]);
     let (t, p) = step(&mut s); // one decoding request: 7 drafts
-    assert_eq!((p.block_rows, p.num_draft_rows(), p.entries[0].num_drafts()), (8, 8, 7));
+    assert_eq!((p.block_rows, p.draft.rows, p.entries[0].num_drafts()), (8, 8, 7));
     commit(&mut s, t, &[7], &[6; 8]);
     assert_eq!(decoding_at(&s, a).1, 3 + 1 + 7);
     let b = s.add_request("b", vec![4, 5], 30, vec![]).unwrap();
@@ -546,11 +574,11 @@ fn draft_len_schedule_shortens_the_block_as_the_batch_grows() {
 fn draft_len_schedule_is_validated() {
     for bad in [vec![(4, 3), (2, 1)], vec![(2, 0)], vec![(2, 8)]] {
         let mut c = cfg(64, 7);
-        c.draft_len_schedule = bad;
+        c.draft_len_policy = DraftLenPolicy::Schedule(bad);
         assert!(Scheduler::new(c).is_err());
     }
     let mut c = cfg(64, 0);
-    c.draft_len_schedule = vec![(2, 1)];
+    c.draft_len_policy = DraftLenPolicy::Schedule(vec![(2, 1)]);
     assert!(Scheduler::new(c).is_err());
 }
 
@@ -574,4 +602,146 @@ fn draft_block_rows_reserve_kv_for_the_longer_draft_block() {
         c.draft_block_rows = bad.1;
         assert!(matches!(Scheduler::new(c), Err(CoreError::InvalidConfig(_))));
     }
+}
+
+fn adaptive_cfg(k: usize) -> SchedulerConfig {
+    let mut c = cfg(64, k);
+    c.draft_len_policy = DraftLenPolicy::Adaptive { candidates: (0..=k).collect() };
+    c
+}
+
+/// Costs of one bucket (batch 8): `seconds[k]` for k = 0..=K.
+fn one_bucket(seconds: Vec<f64>) -> StepCosts {
+    StepCosts::new(vec![8], (0..seconds.len()).collect(), vec![seconds]).unwrap()
+}
+
+#[test]
+fn adaptive_block_rows_follow_the_choice_down_to_a_plain_decode_step() {
+    let mut s = Scheduler::new(adaptive_cfg(3)).unwrap();
+    let h = s.add_request("a", vec![1, 2, 3], 50, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[5]);
+    // No costs yet: the largest block.
+    assert_eq!(s.next_draft_len(), 3);
+    let (t, p) = step(&mut s);
+    assert_eq!((p.block_rows, p.draft.rows), (4, 4));
+    commit(&mut s, t, &[3], &[6; 4]);
+    // Drafting is cheap: still the largest block.
+    s.set_step_costs(one_bucket(vec![1.0, 1.01, 1.02, 1.03])).unwrap();
+    let (t, p) = step(&mut s);
+    assert_eq!(p.block_rows, 4);
+    commit(&mut s, t, &[3], &[6; 4]);
+    // Drafting costs 5x a plain step: B = 1, no draft pass, one sampled row, one new token.
+    s.set_step_costs(one_bucket(vec![1.0, 5.0, 5.0, 5.0])).unwrap();
+    assert_eq!(s.next_draft_len(), 0);
+    let committed = s.request(h).unwrap().num_computed();
+    let (t, p) = step(&mut s);
+    assert_eq!((p.block_rows, p.draft.rows, p.num_draft_rows(), p.entries[0].num_drafts()), (1, 0, 0, 0));
+    assert_eq!((p.target.input_ids.clone(), p.sample_rows.clone()), (vec![6], vec![0]));
+    assert!(p.verify_target_rows.is_empty() && p.draft.input_ids.is_empty());
+    // A plain step can accept nothing.
+    let refused = s.commit(t, &[1], &[7]).unwrap_err();
+    assert!(matches!(refused.error, CoreError::InvalidCommit(_)));
+    commit(&mut s, refused.ticket, &[0], &[7]);
+    assert_eq!(decoding_at(&s, h), (Phase::Decoding, committed + 1, 7));
+    // The KV reservation stays sized for the largest block.
+    let (_, p) = step(&mut s);
+    assert_eq!(p.block_rows, 1);
+    assert!(s.request(h).unwrap().pages().capacity() >= committed + 1 + s.config().reserve_rows());
+    // Counted: steps with decoding requests, by K (the prefill step is not one).
+    assert_eq!(s.draft_len().counts(), vec![(0, 2), (1, 0), (2, 0), (3, 2)]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn commit_teaches_acceptance_and_prefill_teaches_nothing() {
+    let mut s = Scheduler::new(adaptive_cfg(3)).unwrap();
+    let fresh = DraftLen::new(s.config().draft_len_policy.clone(), 3);
+    let a = s.add_request("a", vec![1, 2, 3], 50, vec![]).unwrap();
+    let b = s.add_request("b", vec![4, 5, 6], 50, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0, 0], &[5, 5]);
+    assert_eq!(s.draft_len().global_estimates(), fresh.global_estimates());
+    assert_eq!(s.draft_len().num_tracked(), 0);
+    // a accepts 1 of 3 drafts, b all 3: the same as feeding the estimator directly.
+    let (t, p) = step(&mut s);
+    let order: Vec<u64> = p.entries.iter().map(|e| e.handle).collect();
+    let acc: Vec<u32> = order.iter().map(|&h| if h == a { 1 } else { 3 }).collect();
+    commit(&mut s, t, &acc, &[6; 8]);
+    let mut want = fresh.clone();
+    want.observe_step(order.iter().zip(&acc).map(|(&h, &x)| (h, 3, x as usize)));
+    assert_eq!(s.draft_len().global_estimates(), want.global_estimates());
+    for h in [a, b] {
+        assert_eq!(s.draft_len().request_estimates(h), want.request_estimates(h));
+    }
+    assert!(s.draft_len().request_estimates(b)[2] > s.draft_len().request_estimates(a)[2]);
+    assert_eq!(s.draft_len().num_tracked(), 2);
+}
+
+#[test]
+fn acceptance_counts_die_with_the_request() {
+    let mut s = Scheduler::new(adaptive_cfg(3)).unwrap();
+    // a: finished by max_tokens inside a commit; b: aborted; c: failed step; d: aborted mid-step.
+    let a = s.add_request("a", vec![1, 2, 3], 3, vec![]).unwrap();
+    let b = s.add_request("b", vec![1, 2, 4], 50, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0, 0], &[5, 5]);
+    let (t, p) = step(&mut s);
+    assert_eq!(p.num_decode, 2);
+    let out = commit(&mut s, t, &[3, 3], &[6; 8]);
+    assert!(out.iter().any(|(h, _, f)| *h == a && *f == Some(FinishReason::Length)));
+    assert_eq!(s.draft_len().num_tracked(), 1, "a finished: its counts are gone");
+    s.finish(b, FinishReason::Abort).unwrap();
+    assert_eq!(s.draft_len().num_tracked(), 0);
+
+    let c = s.add_request("c", vec![7, 8], 50, vec![]).unwrap();
+    let d = s.add_request("d", vec![7, 9], 50, vec![]).unwrap();
+    for _ in 0..2 {
+        let (t, p) = step(&mut s);
+        let n = p.num_sample_rows();
+        commit(&mut s, t, &vec![0; p.entries.len()], &vec![6; n]);
+    }
+    assert_eq!(s.draft_len().num_tracked(), 2);
+    let (t, _) = step(&mut s);
+    s.finish(d, FinishReason::Abort).unwrap();
+    assert_eq!(s.fail(t, FinishReason::Error).unwrap(), vec![c]);
+    assert_eq!(s.draft_len().num_tracked(), 0);
+    s.check_invariants().unwrap();
+    // A request aborted between schedule and commit learns nothing at commit.
+    let e = s.add_request("e", vec![3, 3], 50, vec![]).unwrap();
+    let f = s.add_request("f", vec![3, 4], 50, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0, 0], &[6, 6]);
+    let (t, p) = step(&mut s);
+    s.finish(e, FinishReason::Abort).unwrap();
+    let n = p.num_sample_rows();
+    commit(&mut s, t, &[2, 2], &vec![6; n]);
+    assert_eq!(s.draft_len().num_tracked(), 1);
+    assert_ne!(s.draft_len().request_estimates(f), s.draft_len().global_estimates());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn schedule_only_chooses_for_its_request_alone() {
+    let mut s = Scheduler::new(adaptive_cfg(3)).unwrap();
+    let good = s.add_request("good", vec![1, 2, 3], 100, vec![]).unwrap();
+    let bad = s.add_request("bad", vec![1, 2, 4], 100, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0, 0], &[5, 5]);
+    // Before costs: the largest block. `good` accepts every draft, `bad` none.
+    for _ in 0..8 {
+        let (t, p) = step(&mut s);
+        let acc: Vec<u32> = p.entries.iter().map(|e| if e.handle == good { 3 } else { 0 }).collect();
+        commit(&mut s, t, &acc, &vec![6; p.num_sample_rows()]);
+    }
+    s.set_step_costs(one_bucket(vec![1.0, 1.2, 1.4, 1.6])).unwrap();
+    let (t, p) = s.schedule_only(good).unwrap().unwrap();
+    assert_eq!((p.entries.len(), p.block_rows), (1, 4));
+    s.cancel(t).unwrap();
+    let (t, p) = s.schedule_only(bad).unwrap().unwrap();
+    assert_eq!((p.entries.len(), p.block_rows), (1, 1));
+    s.cancel(t).unwrap();
+    // Cancelled steps are still counted as planned.
+    assert_eq!(s.draft_len().counts().iter().map(|&(_, c)| c).sum::<u64>(), 8 + 2);
+    s.check_invariants().unwrap();
 }

@@ -1,75 +1,13 @@
-"""Paged KV cache: one pool of pages shared by the target layers and the DFlash draft layers.
-
-Draft layers use the same page ids and slot mapping as the target, so the draft context of a
-request is always exactly the target's committed positions. Page 0 is the null page.
-"""
+"""Sizing the KV pool: the profile step, vLLM's budget rule, and the report of every fact
+behind the number of pages (logged at startup, printed by `serve`)."""
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
-from . import _core
-from .models.config import DraftConfig, ModelConfig, resolve_dtype
-
-
-def _layer_shapes(target_cfg: ModelConfig, draft_cfg: DraftConfig | None) -> tuple[list, list]:
-    target = [(target_cfg.num_key_value_heads, target_cfg.head_dim)] * target_cfg.num_hidden_layers
-    draft = [] if draft_cfg is None else (
-        [(draft_cfg.num_key_value_heads, draft_cfg.head_dim)] * draft_cfg.num_hidden_layers
-    )
-    return target, draft
-
-
-class KVCache:
-    def __init__(
-        self,
-        target: list[tuple[Tensor, Tensor]],
-        draft: list[tuple[Tensor, Tensor]],
-        num_pages: int,
-        page_size: int,
-    ):
-        self.target = target
-        self.draft = draft
-        self.num_pages = num_pages
-        self.page_size = page_size
-
-    @staticmethod
-    def bytes_per_page(
-        target_cfg: ModelConfig,
-        draft_cfg: DraftConfig | None,
-        page_size: int,
-        dtype: torch.dtype | str,
-    ) -> int:
-        elem = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
-        target, draft = _layer_shapes(target_cfg, draft_cfg)
-        return sum(2 * page_size * n_kv * head_dim * elem for n_kv, head_dim in target + draft)
-
-    @classmethod
-    def allocate(
-        cls,
-        target_cfg: ModelConfig,
-        draft_cfg: DraftConfig | None,
-        num_pages: int,
-        page_size: int,
-        dtype: torch.dtype | str,
-        device: torch.device | str = "cpu",
-    ) -> "KVCache":
-        if num_pages < 2:
-            raise ValueError(f"KV cache needs at least 2 pages (page 0 is the null page), got {num_pages}")
-        dtype = resolve_dtype(dtype)
-        target, draft = _layer_shapes(target_cfg, draft_cfg)
-
-        def pair(n_kv: int, head_dim: int) -> tuple[Tensor, Tensor]:
-            shape = (num_pages, page_size, n_kv, head_dim)
-            return (torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device))
-
-        return cls([pair(*s) for s in target], [pair(*s) for s in draft], num_pages, page_size)
-
-
-# ---- sizing the pool ---------------------------------------------------------------------
+from .. import _core
 
 GiB = float(1 << 30)
 
@@ -109,7 +47,7 @@ class MemoryReport:
     page_size: int  # tokens per page
     bytes_per_page: int  # target + draft K/V of one page
     max_model_len: int
-    reserve_k: int  # KV rows a request holds past its last token, less one: max(K, D - 1)
+    reserve_rows: int  # rows a decode step writes from `committed`: max(B, D)
     max_num_seqs: int
     source: str  # what decided num_pages (a flag, or the CPU byte budget)
     total_bytes: int | None = None  # device memory
@@ -125,7 +63,7 @@ class MemoryReport:
     @property
     def pages_per_seq(self) -> int:
         """Pages one request of max_model_len holds at most (the core's admission bound)."""
-        return _core.pages_per_seq(self.max_model_len, self.reserve_k, self.page_size)
+        return _core.pages_per_seq(self.max_model_len, self.reserve_rows, self.page_size)
 
     @property
     def usable_pages(self) -> int:
@@ -199,3 +137,62 @@ def _size(n: int | None) -> str:
     if abs(n) >= 1 << 30:
         return f"{n / GiB:.2f} GiB"
     return f"{n / 2**20:.1f} MiB" if abs(n) >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+# Budgeted for CUDA graphs on top of the measured decode step (module loads, workspaces).
+GRAPH_SLACK_BYTES = 256 << 20
+
+
+def peak_bytes(device: torch.device, fn) -> int | None:
+    """Run `fn`; on CUDA return how far the allocator's reserved memory (what it took from
+    the device) rose above its level before (CPU: no allocator statistics, None)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_reserved(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_reserved(device) - base
+
+
+def size_kv_pool(rc, bytes_per_page: int, profile, graphs: bool) -> MemoryReport:
+    """Pages in the pool, null page included, and how they were decided.
+
+    CUDA: `profile()` runs the largest steps and returns their peak growth (eager step,
+    decode-graph step or None), then vLLM's budget (`size_pool`). CPU: a byte budget.
+    `num_gpu_blocks_override` wins over both (the profile still runs on CUDA: it also proves
+    at startup that the largest step fits). `rc`: the RuntimeConfig."""
+    report = MemoryReport(device=rc.device.type, num_pages=0, page_size=rc.page_size, bytes_per_page=bytes_per_page,
+                          max_model_len=rc.max_model_len, reserve_rows=rc.reserve_rows, max_num_seqs=rc.max_num_seqs,
+                          source="")
+    if rc.device.type == "cuda":
+        # Memory cached by torch for engines already dropped in this process counts as free.
+        gc.collect()
+        torch.cuda.empty_cache()
+        report.weights_bytes = torch.cuda.memory_allocated(rc.device)
+        step_peak, decode_peak = profile(report)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(rc.device)
+        report.total_bytes, report.in_use_bytes = total, total - free
+        report.utilization = rc.gpu_memory_utilization
+        report.peak_activation_bytes = max(step_peak, decode_peak or 0)
+        # The graphs' private pool holds about one decode step at the largest bucket (the
+        # buckets share it, largest captured first); plus slack for what capture loads
+        # (cuBLAS workspaces, Triton modules). Checked against the real number after capture.
+        report.graph_reserve_bytes = (decode_peak or 0) + GRAPH_SLACK_BYTES if graphs else 0
+        report.num_pages = size_pool(total, report.in_use_bytes, report.peak_activation_bytes,
+                                     rc.gpu_memory_utilization, bytes_per_page, report.graph_reserve_bytes)
+        report.source = f"--gpu-memory-utilization {rc.gpu_memory_utilization}"
+    else:
+        budget = rc.cpu_kv_cache_bytes
+        report.num_pages = cpu_pool_pages(budget, bytes_per_page, rc.max_num_seqs, report.pages_per_seq)
+        report.source = rc.cpu_kv_cache_source
+        if report.num_pages < budget // bytes_per_page:
+            report.source = f"--max-num-seqs {rc.max_num_seqs} full-length requests (within {report.source})"
+    if rc.num_gpu_blocks_override is not None:
+        report.num_pages = rc.num_gpu_blocks_override + 1
+        report.source = f"--num-gpu-blocks-override {rc.num_gpu_blocks_override}"
+    return report

@@ -1,5 +1,5 @@
-"""Device busy and idle time per engine step (GPU.md, "The host side": measure the GPU's idle
-time between steps).
+"""Device busy and idle time per engine step (how long the GPU waits on the host between
+steps is the host overhead the engine must keep small).
 
 The model runner calls `begin()` right before a step's first device launch and `end()` right
 after its last. busy = end - begin of each step; idle = begin of step N+1 - end of step N, the
@@ -25,6 +25,10 @@ import torch
 class StepTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every step so far (setup's profile and capture steps are no engine steps)."""
         self.busy_seconds = 0.0
         self.idle_seconds = 0.0
         self.steps = 0

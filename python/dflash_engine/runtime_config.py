@@ -1,0 +1,159 @@
+"""The one resolution of an `EngineConfig` into what the runtime runs with.
+
+`resolve(cfg)` reads the model's and the draft's config.json, picks the device and dtype,
+and decides every derived quantity once: K, the draft-length schedule, B, D, the KV reserve
+bound, the page size, the CPU weight format, the exact mode, overlap, the token budget, the
+memory budgets and the synthetic acceptance rates. The result is frozen; below it (worker/,
+engine.py) nothing reads the environment or re-derives a default.
+
+Vocabulary (one meaning per word): a *page* is KV memory (`page_size` tokens; vLLM's
+`--block-size` at the edge); the *block* is DFlash's: B = K + 1 verify rows, D draft rows.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import envs
+from .config import EngineConfig, synthetic_rates
+from .cpu import resolve_format
+from .model_path import is_gguf_model, resolve_model_path
+from .models.config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
+from .models.loader import read_config
+
+logger = logging.getLogger(__name__)
+
+# max_model_len when neither the user nor a smaller max_position_embeddings sets it.
+MAX_MODEL_LEN_CAP = 8192
+# The token budget's floor: max(DEFAULT_MAX_NUM_BATCHED_TOKENS, B * max_num_seqs).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# The CPU KV pool's byte budget without DFLASH_CPU_KV_CACHE_GB.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+# The fast CPU mode's default number of verified drafts. A CPU verify pass costs about
+# linearly in its rows, so verifying 3 of the full draft block's 15 proposals pays best: the
+# shipped draft, HumanEval, 2 cores: 1.53x spec-off at K = 3, 1.06x at 5, 1.20x at 7, 0.99x at
+# 15 (docs/perf.md, "Shorter draft blocks"). The exact mode's GEMMs run 16-row blocks
+# whatever K is, so it verifies the draft's full block.
+CPU_NUM_SPECULATIVE_TOKENS = 3
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return dev
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model_path: Path
+    model_config: ModelConfig
+    draft_path: Path | None
+    draft_config: DraftConfig | None
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    page_size: int  # tokens per KV page
+    num_speculative_tokens: int  # K: drafts verified per decode step (0: speculation off)
+    draft_len_schedule: tuple[tuple[int, int], ...]  # (max decoding requests, k), ascending
+    draft_rows: int  # D: rows of the draft's block (0 without a draft)
+    mask_token_id: int
+    tap_layers: tuple[int, ...] | None  # target layers whose outputs feed the draft
+    synthetic_rates: tuple[float, ...] | None  # benchmark-only synthetic acceptance
+    batch_invariant: bool  # the exact mode: a row's bits never depend on its batch
+    cpu_weights: str  # the fast CPU mode's packed format ("none" off the CPU / in the exact mode)
+    overlap: bool  # build step N's outputs while the device runs step N+1
+    enforce_eager: bool
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: int | None
+    cpu_kv_cache_bytes: int
+    cpu_kv_cache_source: str  # how the CPU budget was chosen, for the memory report
+    seed: int
+
+    @property
+    def block_rows(self) -> int:
+        """B: rows of the largest verify block."""
+        return self.num_speculative_tokens + 1
+
+    @property
+    def reserve_rows(self) -> int:
+        """Rows a decode step writes from `committed`: max(B, D) (the core's `reserve_rows`;
+        every KV reservation and page-table width is computed from it)."""
+        return max(self.block_rows, self.draft_rows)
+
+    def draft_rows_for(self, block_rows: int) -> int:
+        """D of a step verifying `block_rows` rows: no draft pass without drafts."""
+        return max(block_rows, self.draft_rows) if block_rows > 1 and self.draft_rows else 0
+
+    @property
+    def draft_lengths(self) -> list[int]:
+        """Every K a step may verify (the largest first)."""
+        return sorted({self.num_speculative_tokens} | {k for _, k in self.draft_len_schedule}, reverse=True)
+
+    @property
+    def synthetic(self) -> bool:
+        return self.synthetic_rates is not None
+
+
+def resolve(cfg: EngineConfig) -> RuntimeConfig:
+    model_path = Path(resolve_model_path(cfg.model))
+    mcfg = ModelConfig.from_dict(read_config(model_path))
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, mcfg.torch_dtype, device)
+    batch_invariant = envs.batch_invariant() if cfg.batch_invariant is None else bool(cfg.batch_invariant)
+    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_MODEL_LEN_CAP)
+    cpu_weights = resolve_format(cfg.cpu_weights, device, batch_invariant, cfg.dtype, dtype, is_gguf_model(cfg.model))
+
+    spec = cfg.speculative_config
+    draft_path, dcfg, k, schedule, d, rates = None, None, 0, (), 0, None
+    if spec is not None:
+        draft_path = Path(spec.model)
+        dcfg = DraftConfig.from_dict(read_config(draft_path))
+        validate_draft_against_target(dcfg, mcfg)
+        k = spec.num_speculative_tokens
+        if k is None:  # the draft's block, or fewer in the fast CPU mode (CPU_NUM_SPECULATIVE_TOKENS)
+            k = dcfg.block_size - 1
+            if (device.type == "cpu" and not batch_invariant and not spec.num_speculative_tokens_schedule
+                    and not spec.synthetic):
+                k = min(k, CPU_NUM_SPECULATIVE_TOKENS)
+        if k >= dcfg.block_size:
+            raise ValueError(f"num_speculative_tokens ({k}) must be < the draft's block_size ({dcfg.block_size})")
+        schedule = tuple(spec.num_speculative_tokens_schedule or ())
+        if any(s > k for _, s in schedule):  # (parse checks this against an explicit K)
+            raise ValueError(f"num_speculative_tokens_schedule {list(schedule)}: every k must be <= "
+                             f"num_speculative_tokens ({k})")
+        # Every decode step drafts the draft's whole block and verifies K of its proposals.
+        d = dcfg.block_size
+        if spec.synthetic:
+            rates = tuple(synthetic_rates(k, spec.synthetic_acceptance_length, spec.synthetic_acceptance_rates))
+            expected = sum(float(np.prod(rates[:i])) for i in range(len(rates) + 1))
+            logger.warning("SYNTHETIC acceptance (benchmark only): per-position rates %s, expected "
+                           "acceptance length %.2f; outputs are NOT the target's", [round(r, 4) for r in rates],
+                           expected)
+
+    gb = envs.cpu_kv_cache_gb()
+    return RuntimeConfig(
+        model_path=model_path, model_config=mcfg, draft_path=draft_path, draft_config=dcfg, device=device,
+        dtype=dtype, max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                                 (k + 1) * cfg.max_num_seqs),
+        page_size=cfg.block_size, num_speculative_tokens=k, draft_len_schedule=schedule, draft_rows=d,
+        mask_token_id=dcfg.mask_token_id if dcfg else 0,
+        tap_layers=tuple(dcfg.target_layer_ids) if dcfg else None, synthetic_rates=rates,
+        batch_invariant=batch_invariant, cpu_weights=cpu_weights,
+        overlap=envs.overlap() if cfg.overlap is None else bool(cfg.overlap),
+        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, num_gpu_blocks_override=cfg.num_gpu_blocks_override,
+        cpu_kv_cache_bytes=int(gb * (1 << 30)) or DEFAULT_CPU_KV_BYTES,
+        cpu_kv_cache_source=f"DFLASH_CPU_KV_CACHE_GB={gb:g}" if gb else "DFLASH_CPU_KV_CACHE_GB (default 1)",
+        seed=cfg.seed,
+    )

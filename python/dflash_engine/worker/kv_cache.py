@@ -1,0 +1,66 @@
+"""Paged KV cache: one pool of pages shared by the target layers and the DFlash draft layers.
+
+Draft layers use the same page ids and slot mapping as the target, so the draft context of a
+request is always exactly the target's committed positions. Page 0 is the null page.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..models.config import DraftConfig, ModelConfig, resolve_dtype
+
+
+def _layer_shapes(target_cfg: ModelConfig, draft_cfg: DraftConfig | None) -> tuple[list, list]:
+    target = [(target_cfg.num_key_value_heads, target_cfg.head_dim)] * target_cfg.num_hidden_layers
+    draft = [] if draft_cfg is None else (
+        [(draft_cfg.num_key_value_heads, draft_cfg.head_dim)] * draft_cfg.num_hidden_layers
+    )
+    return target, draft
+
+
+class KVCache:
+    def __init__(
+        self,
+        target: list[tuple[Tensor, Tensor]],
+        draft: list[tuple[Tensor, Tensor]],
+        num_pages: int,
+        page_size: int,
+    ):
+        self.target = target
+        self.draft = draft
+        self.num_pages = num_pages
+        self.page_size = page_size
+
+    @staticmethod
+    def bytes_per_page(
+        target_cfg: ModelConfig,
+        draft_cfg: DraftConfig | None,
+        page_size: int,
+        dtype: torch.dtype | str,
+    ) -> int:
+        elem = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+        target, draft = _layer_shapes(target_cfg, draft_cfg)
+        return sum(2 * page_size * n_kv * head_dim * elem for n_kv, head_dim in target + draft)
+
+    @classmethod
+    def allocate(
+        cls,
+        target_cfg: ModelConfig,
+        draft_cfg: DraftConfig | None,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype | str,
+        device: torch.device | str = "cpu",
+    ) -> "KVCache":
+        if num_pages < 2:
+            raise ValueError(f"KV cache needs at least 2 pages (page 0 is the null page), got {num_pages}")
+        dtype = resolve_dtype(dtype)
+        target, draft = _layer_shapes(target_cfg, draft_cfg)
+
+        def pair(n_kv: int, head_dim: int) -> tuple[Tensor, Tensor]:
+            shape = (num_pages, page_size, n_kv, head_dim)
+            return (torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device))
+
+        return cls([pair(*s) for s in target], [pair(*s) for s in draft], num_pages, page_size)

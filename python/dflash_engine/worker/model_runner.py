@@ -1,0 +1,181 @@
+"""The model runner: sets up the models and memory once, then launches steps.
+
+Setup reads in order: load (target, draft, the CPU backend's packed weights) -> size the
+KV pool (a profile step of the largest plan on CUDA) -> allocate -> warm up and capture the
+decode graphs (they bake in the pool's addresses). Each engine step then `launch`es the
+step's device work (a captured graph for a pure-decode plan, else the eager step; both run
+`step.run_step`) and `wait`s for its results: (accepted drafts per plan entry, sampled token
+per sample row). The step crosses to the core once each way: the plan in, results out.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from .. import _core
+from ..cpu import install as install_cpu_backend
+from ..models import load_draft, load_target
+from ..ops.dispatch import use_kernels
+from ..runtime_config import RuntimeConfig
+from .graph_runner import GraphRunner, batch_buckets
+from .in_flight import InFlight
+from .kv_cache import KVCache
+from .memory import MemoryReport, peak_bytes, size_kv_pool
+from .step import StepInputs, StepModels, run_step
+from .step_timer import StepTimer
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, rc: RuntimeConfig):
+        self.rc = rc
+        self.device = rc.device
+        target = load_target(rc.model_path, rc.dtype, rc.device, batch_invariant=rc.batch_invariant)
+        draft = None
+        if rc.draft_path is not None:
+            draft = load_draft(rc.draft_path, rc.model_config, rc.dtype, rc.device, batch_invariant=rc.batch_invariant)
+        for line in install_cpu_backend(target, draft, rc.cpu_weights):
+            logger.info(line)
+        rates = None if rc.synthetic_rates is None else torch.tensor(rc.synthetic_rates, dtype=torch.float64,
+                                                                     device=rc.device)
+        self.models = StepModels(target=target, draft=draft, kv=None, tap_layers=list(rc.tap_layers or []) or None,
+                                 synthetic_rates=rates)
+        self.step_timer = StepTimer(rc.device)
+        self.bytes_per_page = KVCache.bytes_per_page(rc.model_config, rc.draft_config, rc.page_size, rc.dtype)
+        # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each, one
+        # runner per verify block B (several with a draft-length schedule).
+        self.graphs: dict[int, GraphRunner] = {}
+        if use_kernels(target.model.embed_tokens.weight):
+            width = _core.pages_per_seq(rc.max_model_len, rc.reserve_rows, rc.page_size)
+            for k in rc.draft_lengths:  # the longest block first: it sizes the shared graph pool
+                self.graphs[k + 1] = GraphRunner(
+                    self.models, self.step_timer, block_rows=k + 1, draft_rows=rc.draft_rows_for(k + 1),
+                    max_num_seqs=rc.max_num_seqs, page_table_width=width, enforce_eager=rc.enforce_eager,
+                    capture_buckets=self._buckets_for(k), device=rc.device)
+        capturing = any(not g.enforce_eager for g in self.graphs.values())
+        self.memory: MemoryReport = size_kv_pool(rc, self.bytes_per_page, self.profile, capturing)
+        self.memory.check_holds_one_request()
+        self.num_pages = self.memory.num_pages
+        self.models.kv = self._allocate(self.num_pages)
+        if rc.device.type == "cuda" and use_kernels(self.models.kv.target[0][0]):
+            try:
+                self._warm_up_attention()
+            except Exception:  # noqa: BLE001  (an optimisation: serving works without it)
+                logger.exception("attention warm-up failed; kernels compile on first use instead")
+        pool = None
+        for g in self.graphs.values():
+            g.pool = pool
+            g.capture()
+            pool = g.pool
+        self.memory.graph_bytes = sum(g.graph_bytes for g in self.graphs.values())
+        if self.memory.graph_bytes > self.memory.graph_reserve_bytes:
+            logger.warning("CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them; if the GPU runs "
+                           "out of memory, lower --gpu-memory-utilization", self.memory.graph_bytes / 2**20,
+                           self.memory.graph_reserve_bytes / 2**20)
+        for line in self.memory.lines():
+            logger.info(line)
+        self.step_timer.reset()  # the profile and capture steps are no engine steps
+
+    # ---- setup ------------------------------------------------------------------------------
+    @property
+    def target(self) -> torch.nn.Module:
+        return self.models.target
+
+    @property
+    def draft(self) -> torch.nn.Module | None:
+        return self.models.draft
+
+    @property
+    def kv(self) -> KVCache:
+        return self.models.kv
+
+    def _allocate(self, num_pages: int) -> KVCache:
+        return KVCache.allocate(self.rc.model_config, self.rc.draft_config, num_pages, self.rc.page_size,
+                                self.rc.dtype, self.device)
+
+    def _buckets_for(self, k: int) -> list[int]:
+        """The batch buckets whose steps verify k drafts under the schedule (all without one);
+        others are captured on first use."""
+        rc = self.rc
+        buckets = batch_buckets(rc.max_num_seqs)
+        if not rc.draft_len_schedule:
+            return buckets
+        k_of = lambda n: _core.draft_len_for(list(rc.draft_len_schedule), rc.num_speculative_tokens, n)  # noqa: E731
+        return sorted({next(b for b in buckets if b >= n) for n in range(1, rc.max_num_seqs + 1) if k_of(n) == k})
+
+    @torch.inference_mode()
+    def profile(self, report: MemoryReport | None = None) -> tuple[int | None, int | None]:
+        """Run the largest steps the engine can schedule on a 2-page KV cache and return their
+        peak memory growth on CUDA (None on CPU, where the step still runs): (the largest eager
+        step, the pure-decode step at the largest bucket (None without decode graphs)). The
+        plan comes from the core (`_core.profile_plan`); every read and write stays inside the
+        temporary cache (the decode step runs padding requests only)."""
+        rc = self.rc
+        plan = _core.profile_plan(rc.max_num_batched_tokens, rc.max_num_seqs, rc.block_rows, rc.draft_rows,
+                                  rc.reserve_rows, rc.max_model_len, rc.page_size, rc.mask_token_id)
+        if report is not None:
+            report.profile_tokens, report.profile_sample_rows = plan.num_rows, len(plan.sample_rows)
+        real_kv, self.models.kv = self.models.kv, self._allocate(2)
+        try:
+            step = peak_bytes(self.device, lambda: self._launch_eager(plan, _profile_sampling(plan, rc), False))
+            decode = None
+            if self.graphs:
+                g = self.graphs[rc.block_rows]
+                g.reset_inputs()  # every request a padding request: q_len 0, slots -1, null pages
+                decode = peak_bytes(self.device, lambda: g.step(g.max_bs, all_greedy=False))
+        finally:
+            self.models.kv = real_kv  # None until the pool exists
+        return step, decode
+
+    def _warm_up_attention(self) -> None:
+        """Compile the attention kernels' variants now rather than in a request's step (a
+        prefix-cache hit's short query over a long context, say, first met mid-serving)."""
+        from ..kernels.attention import warmup
+
+        t0, n = time.perf_counter(), 0
+        shapes = {(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+                  for c in [self.rc.model_config] + ([self.rc.draft_config] if self.rc.draft_config else [])}
+        for heads, kv_heads, head_dim in sorted(shapes):
+            n += warmup(heads, kv_heads, head_dim, self.rc.page_size, self.rc.dtype, self.device)
+        torch.cuda.synchronize(self.device)
+        logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
+
+    # ---- the step -----------------------------------------------------------------------
+    def launch(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
+        """Launch the step's device work (in_flight.py). `st`: per sample row, the owning
+        request's sampling parameters (numpy)."""
+        if self.graphs and plan.num_decode == len(plan):
+            return self.graphs[plan.block_rows].run(plan, st, all_greedy)
+        return self._launch_eager(plan, st, all_greedy)
+
+    def wait(self, flight: InFlight) -> tuple[np.ndarray, np.ndarray]:
+        """(accepted drafts per plan entry, sampled token per plan sample row)."""
+        out = flight.wait()
+        self.step_timer.resolve()  # the step has waited for its results: its marks are readable
+        return out
+
+    @torch.inference_mode()
+    def _launch_eager(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
+        self.step_timer.begin()  # the step's first launch follows (busy/idle marks: step_timer.py)
+        accepted, sampled = run_step(self.models, StepInputs.from_plan(plan, st, self.device), all_greedy)
+        r = len(plan)
+        rest = torch.zeros(r - (0 if accepted is None else accepted.shape[0]), dtype=torch.int64, device=self.device)
+        out = torch.cat([rest, sampled] if accepted is None else [accepted, rest, sampled])
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(out, non_blocking=True)  # one device-to-host copy (the last launch)
+        self.step_timer.end()
+        return InFlight(lambda: (host[:r].numpy(), host[r:].numpy()), self.device)
+
+
+def _profile_sampling(plan, rc: RuntimeConfig) -> dict[str, np.ndarray]:
+    """Sampling parameters for the profile plan: the random path (a full sort per row), the
+    heavier one."""
+    n = len(plan.sample_rows)
+    return {"greedy": np.zeros(n, np.bool_), "temperature": np.ones(n, np.float32),
+            "top_k": np.full(n, rc.model_config.vocab_size, np.int64), "top_p": np.ones(n, np.float32),
+            "min_p": np.zeros(n, np.float32), "seed": np.zeros(n, np.int64),
+            "position": plan.positions[plan.sample_rows] + 1}

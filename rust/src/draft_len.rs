@@ -1,0 +1,656 @@
+//! Draft length: how many drafts K a decode step proposes and verifies (B = K + 1).
+//!
+//! The policy is an input to the core (ARCHITECTURE.md): the scheduler asks [`DraftLen`] for
+//! each step's K and tells it, at every commit, what each decoding request accepted.
+//!
+//! - [`DraftLenPolicy::Fixed`]: always `num_speculative_tokens` (K_max);
+//! - [`DraftLenPolicy::Schedule`]: K keyed on the number of decoding requests ([`draft_len_for`]);
+//! - [`DraftLenPolicy::Adaptive`]: each step, the candidate k that maximises expected committed
+//!   tokens per second, `Σ_i E_i[tokens | k] / cost(bucket(n), k)` over the step's n decoding
+//!   requests, with `E_i[tokens | k] = 1 + Σ_{j=1..k} Π_{m≤j} p_{i,m}` and the step costs
+//!   measured by the runner ([`StepCosts`]); k = 0 is a plain decode step (B = 1, no draft
+//!   pass). Before costs are set it drafts K_max.
+//!
+//! Acceptance is measured live: `p_j` = P(draft j accepted | drafts 1..j-1 were). A request that
+//! was proposed `d` drafts and accepted `a` tells: positions 1..a accepted, position a+1 rejected
+//! if a < d, nothing past a+1. Counts decay exponentially: the global ones once per committed
+//! step with decoding requests (a step with k = 0 learns nothing but still ages them, so
+//! estimates drift back to the prior and the policy explores longer blocks again), a request's
+//! own once per step of that request.
+//!
+//! ```text
+//!   global   g_j   = (accepts_j + W·prior_j) / (trials_j + W)        prior_1 = PRIOR_FIRST,
+//!                                                                    prior_j = PRIOR_DECAY·g_{j-1}
+//!   request  p_i,j = w·accepts_i,j/trials_i,j + (1 - w)·g_j          w = trials_i,j / (trials_i,j + N0)
+//! ```
+//!
+//! Invariants (`check`, called by `Scheduler::check_invariants`): every count is finite,
+//! non-negative, accepts <= trials; per-request counts exist only for live requests (the
+//! scheduler forgets a request when it leaves); every estimate lies in [0, 1]. The choice is a
+//! pure function of the history, the costs and the step's decoding requests (no RNG, no clock).
+
+use std::collections::HashMap;
+
+use crate::error::{CoreError, CoreResult};
+
+/// Global counts decay by this factor once per committed step with decoding requests.
+pub const GLOBAL_DECAY: f64 = 0.98;
+/// A request's counts decay by this factor once per step of that request.
+pub const REQUEST_DECAY: f64 = 0.9;
+/// W: pseudo-observations of the prior in a global estimate.
+pub const PRIOR_WEIGHT: f64 = 2.0;
+/// N0: a request's own estimate gets weight n / (n + N0) after n (decayed) observations.
+pub const REQUEST_PRIOR_WEIGHT: f64 = 2.0;
+/// Prior of p_1 before anything was observed.
+pub const PRIOR_FIRST: f64 = 0.6;
+/// Prior of p_j (j > 1): this factor times the estimate of p_{j-1}.
+pub const PRIOR_DECAY: f64 = 0.9;
+
+/// Drafts of a step with `num_decoding` decoding requests under a draft-length schedule of
+/// `(max_decoding, k)` pairs (ascending): the k of the first pair with num_decoding <=
+/// max_decoding, past the last pair its k; no schedule: `k_max`. The one place this rule is
+/// written (exported to Python, which captures CUDA graphs per block length by it).
+pub fn draft_len_for(schedule: &[(usize, usize)], k_max: usize, num_decoding: usize) -> usize {
+    match schedule.iter().find(|&&(max_n, _)| num_decoding <= max_n) {
+        Some(&(_, k)) => k,
+        None => schedule.last().map_or(k_max, |&(_, k)| k),
+    }
+}
+
+/// How each step's K is chosen (`SchedulerConfig::draft_len_policy`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum DraftLenPolicy {
+    /// Always `num_speculative_tokens`.
+    #[default]
+    Fixed,
+    /// `(max_decoding, k)` pairs, ascending in `max_decoding` ([`draft_len_for`]); every k in
+    /// 1..=num_speculative_tokens.
+    Schedule(Vec<(usize, usize)>),
+    /// The candidate with the most expected committed tokens per second; candidates are
+    /// distinct, within 0..=num_speculative_tokens, and include num_speculative_tokens.
+    Adaptive { candidates: Vec<usize> },
+}
+
+impl DraftLenPolicy {
+    pub fn name(&self) -> &'static str {
+        match self {
+            DraftLenPolicy::Fixed => "fixed",
+            DraftLenPolicy::Schedule(_) => "schedule",
+            DraftLenPolicy::Adaptive { .. } => "adaptive",
+        }
+    }
+
+    /// K of a step with `num_decoding` decoding requests when it depends on nothing else
+    /// (Fixed, Schedule); `None` for Adaptive.
+    pub fn static_draft_len(&self, k_max: usize, num_decoding: usize) -> Option<usize> {
+        match self {
+            DraftLenPolicy::Fixed => Some(k_max),
+            DraftLenPolicy::Schedule(s) => Some(draft_len_for(s, k_max, num_decoding)),
+            DraftLenPolicy::Adaptive { .. } => None,
+        }
+    }
+
+    /// Every K this policy can choose, ascending.
+    pub fn choices(&self, k_max: usize) -> Vec<usize> {
+        let mut ks = match self {
+            DraftLenPolicy::Fixed => vec![k_max],
+            DraftLenPolicy::Schedule(s) if s.is_empty() => vec![k_max],
+            DraftLenPolicy::Schedule(s) => s.iter().map(|&(_, k)| k).collect(),
+            DraftLenPolicy::Adaptive { candidates } => candidates.clone(),
+        };
+        ks.sort_unstable();
+        ks.dedup();
+        ks
+    }
+
+    pub(crate) fn validate(&self, k_max: usize) -> Result<(), String> {
+        match self {
+            DraftLenPolicy::Fixed => Ok(()),
+            DraftLenPolicy::Schedule(s) => {
+                if !s.is_empty() && k_max == 0 {
+                    return Err("draft_len_schedule needs speculation (num_speculative_tokens >= 1)".into());
+                }
+                if s.windows(2).any(|w| w[0].0 >= w[1].0) {
+                    return Err(format!("draft_len_schedule must be ascending in batch size, got {s:?}"));
+                }
+                match s.iter().find(|&&(_, k)| k == 0 || k > k_max) {
+                    Some(&(n, k)) => Err(format!("draft_len_schedule entry ({n}, {k}): k must be in 1..={k_max}")),
+                    None => Ok(()),
+                }
+            }
+            DraftLenPolicy::Adaptive { candidates } => {
+                if k_max == 0 {
+                    return Err("the adaptive draft-length policy needs speculation (num_speculative_tokens >= 1)".into());
+                }
+                if let Some(k) = candidates.iter().find(|&&k| k > k_max) {
+                    return Err(format!("draft-length candidate {k} is past num_speculative_tokens ({k_max})"));
+                }
+                if !candidates.contains(&k_max) {
+                    return Err(format!("draft-length candidates {candidates:?} must include num_speculative_tokens ({k_max})"));
+                }
+                if self.choices(k_max).len() != candidates.len() {
+                    return Err(format!("draft-length candidates {candidates:?} repeat a value"));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Measured seconds of a decode step, per (batch bucket, k); a step with n decoding requests
+/// costs what the smallest bucket >= n costs (what the CUDA graphs pad to), past the largest
+/// bucket what the largest costs (the choice compares k's within one n: a common factor
+/// would not change it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepCosts {
+    /// Ascending batch sizes, each >= 1.
+    buckets: Vec<usize>,
+    /// Measured k's, ascending.
+    ks: Vec<usize>,
+    /// `seconds[b][j]`: bucket `buckets[b]`, `ks[j]` drafts; finite and > 0.
+    seconds: Vec<Vec<f64>>,
+}
+
+impl StepCosts {
+    pub fn new(buckets: Vec<usize>, ks: Vec<usize>, seconds: Vec<Vec<f64>>) -> CoreResult<Self> {
+        let bad = |m: String| Err(CoreError::InvalidConfig(format!("step costs: {m}")));
+        if buckets.is_empty() || ks.is_empty() {
+            return bad("need at least one batch bucket and one k".into());
+        }
+        if buckets[0] == 0 || buckets.windows(2).any(|w| w[0] >= w[1]) {
+            return bad(format!("batch buckets must be >= 1 and strictly ascending, got {buckets:?}"));
+        }
+        if ks.windows(2).any(|w| w[0] >= w[1]) {
+            return bad(format!("k's must be strictly ascending, got {ks:?}"));
+        }
+        if seconds.len() != buckets.len() {
+            return bad(format!("{} rows of seconds for {} buckets", seconds.len(), buckets.len()));
+        }
+        for (row, &n) in seconds.iter().zip(&buckets) {
+            if row.len() != ks.len() {
+                return bad(format!("bucket {n}: {} costs for {} k's", row.len(), ks.len()));
+            }
+            if let Some((&k, &c)) = ks.iter().zip(row).find(|&(_, &c)| !(c.is_finite() && c > 0.0)) {
+                return bad(format!("bucket {n}, k {k}: cost {c} must be finite and > 0 seconds"));
+            }
+        }
+        Ok(StepCosts { buckets, ks, seconds })
+    }
+
+    /// Index of the bucket a step with `n` decoding requests runs in.
+    fn bucket_index(&self, n: usize) -> usize {
+        self.buckets.iter().position(|&b| b >= n).unwrap_or(self.buckets.len() - 1)
+    }
+
+    /// Seconds of a step with `n` decoding requests drafting `k`, if k was measured.
+    pub fn cost(&self, n: usize, k: usize) -> Option<f64> {
+        let j = self.ks.iter().position(|&x| x == k)?;
+        Some(self.seconds[self.bucket_index(n)][j])
+    }
+
+    pub fn ks(&self) -> &[usize] {
+        &self.ks
+    }
+}
+
+/// Exponentially decayed per-position counts. Index j - 1 holds position j.
+#[derive(Debug, Clone, PartialEq)]
+struct Counts {
+    /// Drafts proposed at position j when 1..j-1 were accepted (the denominator of p_j).
+    trials: Vec<f64>,
+    accepts: Vec<f64>,
+}
+
+impl Counts {
+    fn new(k_max: usize) -> Self {
+        Counts { trials: vec![0.0; k_max], accepts: vec![0.0; k_max] }
+    }
+
+    fn decay(&mut self, factor: f64) {
+        self.trials.iter_mut().chain(self.accepts.iter_mut()).for_each(|x| *x *= factor);
+    }
+
+    /// `num_drafts` proposed, `accepted` of them accepted (the leading ones).
+    fn observe(&mut self, num_drafts: usize, accepted: usize) {
+        let seen = (accepted + 1).min(num_drafts);
+        for j in 0..seen {
+            self.trials[j] += 1.0;
+            if j < accepted {
+                self.accepts[j] += 1.0;
+            }
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        for (j, (&n, &a)) in self.trials.iter().zip(&self.accepts).enumerate() {
+            if !(n.is_finite() && a.is_finite() && a >= 0.0 && a <= n + 1e-9) {
+                return Err(format!("position {}: accepts {a} of trials {n}", j + 1));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The draft-length policy with its live state: acceptance estimates, step costs, counters.
+#[derive(Debug, Clone)]
+pub struct DraftLen {
+    policy: DraftLenPolicy,
+    k_max: usize,
+    global: Counts,
+    /// Requests with at least one decode step committed; removed when the request leaves.
+    requests: HashMap<u64, Counts>,
+    costs: Option<StepCosts>,
+    /// `chosen[k]`: planned steps with decoding requests that drafted k.
+    chosen: Vec<u64>,
+}
+
+impl DraftLen {
+    /// `policy` must have passed validation against `k_max` (the scheduler's config does it).
+    pub fn new(policy: DraftLenPolicy, k_max: usize) -> Self {
+        DraftLen {
+            policy,
+            k_max,
+            global: Counts::new(k_max),
+            requests: HashMap::new(),
+            costs: None,
+            chosen: vec![0; k_max + 1],
+        }
+    }
+
+    pub fn policy(&self) -> &DraftLenPolicy {
+        &self.policy
+    }
+
+    /// Hand over the measured step costs (once, at startup; a later call replaces them).
+    /// Every k must be within 0..=K_max; under Adaptive every candidate must be measured.
+    pub fn set_step_costs(&mut self, costs: StepCosts) -> CoreResult<()> {
+        if let Some(&k) = costs.ks.iter().find(|&&k| k > self.k_max) {
+            return Err(CoreError::InvalidConfig(format!(
+                "step costs: k {k} is past num_speculative_tokens ({})",
+                self.k_max
+            )));
+        }
+        if let DraftLenPolicy::Adaptive { candidates } = &self.policy {
+            if let Some(k) = candidates.iter().find(|k| !costs.ks.contains(k)) {
+                return Err(CoreError::InvalidConfig(format!(
+                    "step costs: candidate k {k} was not measured (measured: {:?})",
+                    costs.ks
+                )));
+            }
+        }
+        self.costs = Some(costs);
+        Ok(())
+    }
+
+    pub fn step_costs(&self) -> Option<&StepCosts> {
+        self.costs.as_ref()
+    }
+
+    /// K for a step whose decoding requests are `decoding` (in plan order).
+    pub fn choose(&self, decoding: &[u64]) -> usize {
+        if let Some(k) = self.policy.static_draft_len(self.k_max, decoding.len()) {
+            return k;
+        }
+        let (DraftLenPolicy::Adaptive { candidates }, Some(costs)) = (&self.policy, &self.costs) else {
+            return self.k_max;
+        };
+        if decoding.is_empty() {
+            return self.k_max;
+        }
+        // tokens[k] = Σ_i E_i[tokens | k], for k = 0..=K_max.
+        let g = self.global_estimates();
+        let mut tokens = vec![0.0; self.k_max + 1];
+        for &h in decoding {
+            for (k, e) in self.expected_tokens_with(&g, h).into_iter().enumerate() {
+                tokens[k] += e;
+            }
+        }
+        let n = decoding.len();
+        let mut best = (f64::NEG_INFINITY, self.k_max);
+        let mut ks = candidates.clone();
+        ks.sort_unstable();
+        for k in ks {
+            let rate = tokens[k] / costs.cost(n, k).expect("candidates are measured (set_step_costs)");
+            // Strictly better only: a tie goes to the shorter block.
+            if rate > best.0 {
+                best = (rate, k);
+            }
+        }
+        best.1
+    }
+
+    /// Counts a planned step with decoding requests that drafts `k`.
+    pub(crate) fn record_choice(&mut self, k: usize) {
+        self.chosen[k] += 1;
+    }
+
+    /// Learn from one committed step: `(handle, drafts proposed, drafts accepted)` of each of
+    /// its decoding requests still live. Global counts age once if there is any.
+    pub(crate) fn observe_step(&mut self, results: impl IntoIterator<Item = (u64, usize, usize)>) {
+        let mut aged = false;
+        for (h, num_drafts, accepted) in results {
+            debug_assert!(accepted <= num_drafts && num_drafts <= self.k_max);
+            if !aged {
+                self.global.decay(GLOBAL_DECAY);
+                aged = true;
+            }
+            self.global.observe(num_drafts, accepted);
+            let own = self.requests.entry(h).or_insert_with(|| Counts::new(self.k_max));
+            own.decay(REQUEST_DECAY);
+            own.observe(num_drafts, accepted);
+        }
+    }
+
+    /// Requests with acceptance counts of their own.
+    pub fn num_tracked(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Drop a request's counts (it finished, was aborted or failed).
+    pub(crate) fn forget(&mut self, handle: u64) {
+        self.requests.remove(&handle);
+    }
+
+    /// Global estimates p_1..p_K.
+    pub fn global_estimates(&self) -> Vec<f64> {
+        let mut g = Vec::with_capacity(self.k_max);
+        let mut prior = PRIOR_FIRST;
+        for (&n, &a) in self.global.trials.iter().zip(&self.global.accepts) {
+            let p = (a + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT);
+            g.push(p);
+            prior = PRIOR_DECAY * p;
+        }
+        g
+    }
+
+    /// A request's estimates p_1..p_K (the global ones where it has no history).
+    pub fn request_estimates(&self, handle: u64) -> Vec<f64> {
+        self.request_estimates_with(&self.global_estimates(), handle)
+    }
+
+    fn request_estimates_with(&self, g: &[f64], handle: u64) -> Vec<f64> {
+        let Some(own) = self.requests.get(&handle) else { return g.to_vec() };
+        g.iter()
+            .zip(own.trials.iter().zip(&own.accepts))
+            // = w·a/n + (1 - w)·g_j with w = n / (n + N0); exactly g_j where n = 0.
+            .map(|(&gj, (&n, &a))| (a + REQUEST_PRIOR_WEIGHT * gj) / (n + REQUEST_PRIOR_WEIGHT))
+            .collect()
+    }
+
+    /// `E[tokens | k]` for k = 0..=K of a request: committed tokens a step drafting k yields.
+    pub fn expected_tokens(&self, handle: u64) -> Vec<f64> {
+        self.expected_tokens_with(&self.global_estimates(), handle)
+    }
+
+    fn expected_tokens_with(&self, g: &[f64], handle: u64) -> Vec<f64> {
+        expected_tokens(&self.request_estimates_with(g, handle))
+    }
+
+    /// `(k, planned steps with decoding requests that drafted k)` for every k the policy can
+    /// choose (zeros included), and any other k that was chosen.
+    pub fn counts(&self) -> Vec<(usize, u64)> {
+        let choices = self.policy.choices(self.k_max);
+        self.chosen.iter().enumerate().filter(|&(k, &c)| c > 0 || choices.contains(&k)).map(|(k, &c)| (k, c)).collect()
+    }
+
+    pub(crate) fn check(&self, is_live: impl Fn(u64) -> bool) -> Result<(), String> {
+        self.global.check().map_err(|m| format!("global acceptance counts: {m}"))?;
+        for (h, c) in &self.requests {
+            if !is_live(*h) {
+                return Err(format!("acceptance counts of request {h}, which is gone"));
+            }
+            c.check().map_err(|m| format!("acceptance counts of request {h}: {m}"))?;
+            if let Some(p) = self.request_estimates(*h).into_iter().find(|p| !(0.0..=1.0).contains(p)) {
+                return Err(format!("request {h}: acceptance estimate {p} outside [0, 1]"));
+            }
+        }
+        if let Some(p) = self.global_estimates().into_iter().find(|p| !(0.0..=1.0).contains(p)) {
+            return Err(format!("global acceptance estimate {p} outside [0, 1]"));
+        }
+        Ok(())
+    }
+}
+
+/// `E[tokens | k] = 1 + Σ_{j=1..k} Π_{m≤j} p_m` for k = 0..=p.len(): the bonus token plus each
+/// draft, which commits only if every draft before it did.
+pub fn expected_tokens(p: &[f64]) -> Vec<f64> {
+    let mut out = Vec::with_capacity(p.len() + 1);
+    let (mut e, mut run) = (1.0, 1.0);
+    out.push(e);
+    for &pj in p {
+        run *= pj;
+        e += run;
+        out.push(e);
+    }
+    out
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    fn adaptive(k_max: usize, candidates: Vec<usize>) -> DraftLen {
+        DraftLen::new(DraftLenPolicy::Adaptive { candidates }, k_max)
+    }
+
+    /// Global counts as if `p` had been measured on a million trials per position.
+    fn measured(d: &mut DraftLen, p: &[f64]) {
+        for (j, &pj) in p.iter().enumerate() {
+            d.global.trials[j] = 1e6;
+            d.global.accepts[j] = pj * 1e6;
+        }
+    }
+
+    fn costs(buckets: Vec<usize>, ks: Vec<usize>, seconds: Vec<Vec<f64>>) -> StepCosts {
+        StepCosts::new(buckets, ks, seconds).unwrap()
+    }
+
+    #[test]
+    fn expected_tokens_count_the_bonus_and_each_draft_whose_prefix_was_accepted() {
+        assert_eq!(expected_tokens(&[]), vec![1.0]);
+        let e = expected_tokens(&[0.5, 0.5, 1.0]);
+        assert!(close(e[0], 1.0) && close(e[1], 1.5) && close(e[2], 1.75) && close(e[3], 2.0));
+        assert_eq!(expected_tokens(&[0.0, 1.0]), vec![1.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn a_step_teaches_positions_up_to_the_first_rejection_and_nothing_past_it() {
+        let mut c = Counts::new(4);
+        c.observe(3, 1); // draft 1 accepted, draft 2 rejected, draft 3 unseen
+        assert_eq!((c.trials.clone(), c.accepts.clone()), (vec![1.0, 1.0, 0.0, 0.0], vec![1.0, 0.0, 0.0, 0.0]));
+        c.observe(2, 2); // all accepted: nothing about position 3
+        assert_eq!((c.trials.clone(), c.accepts.clone()), (vec![2.0, 2.0, 0.0, 0.0], vec![2.0, 1.0, 0.0, 0.0]));
+        c.observe(0, 0); // a plain decode step proposes nothing
+        assert_eq!(c.trials, vec![2.0, 2.0, 0.0, 0.0]);
+        c.decay(0.5);
+        assert_eq!((c.trials, c.accepts), (vec![1.0, 1.0, 0.0, 0.0], vec![1.0, 0.5, 0.0, 0.0]));
+    }
+
+    #[test]
+    fn global_counts_age_once_per_step_and_unseen_positions_follow_the_decaying_prior() {
+        let mut d = DraftLen::new(DraftLenPolicy::Fixed, 3);
+        let g = d.global_estimates();
+        assert!(close(g[0], PRIOR_FIRST) && close(g[1], PRIOR_DECAY * g[0]) && close(g[2], PRIOR_DECAY * g[1]));
+        // Two requests in one step: one aging, then both observations.
+        d.observe_step([(1, 1, 1), (2, 1, 1)]);
+        assert_eq!(d.global.trials, vec![2.0, 0.0, 0.0]);
+        d.observe_step([(1, 1, 0)]);
+        assert!(close(d.global.trials[0], 2.0 * GLOBAL_DECAY + 1.0) && close(d.global.accepts[0], 2.0 * GLOBAL_DECAY));
+        let g = d.global_estimates();
+        let p1 = (2.0 * GLOBAL_DECAY + PRIOR_WEIGHT * PRIOR_FIRST) / (2.0 * GLOBAL_DECAY + 1.0 + PRIOR_WEIGHT);
+        assert!(close(g[0], p1));
+        // Position 2 was never proposed: the prior chained off p_1.
+        assert!(close(g[1], PRIOR_DECAY * p1) && close(g[2], PRIOR_DECAY * PRIOR_DECAY * p1));
+        // A step with no decoding requests changes nothing.
+        let before = d.global.clone();
+        d.observe_step([]);
+        assert_eq!(d.global, before);
+    }
+
+    #[test]
+    fn a_requests_own_history_dominates_once_it_has_some() {
+        let mut d = DraftLen::new(DraftLenPolicy::Fixed, 2);
+        measured(&mut d, &[0.2, 0.2]);
+        // No history: the global estimate.
+        assert_eq!(d.request_estimates(7), d.global_estimates());
+        // Request 7 accepts everything, step after step; request 8 shares its steps but not its counts.
+        for _ in 0..30 {
+            d.observe_step([(7, 2, 2)]);
+        }
+        let own = d.requests[&7].clone();
+        let n: f64 = (0..30).map(|i| REQUEST_DECAY.powi(i)).sum();
+        assert!(close(own.trials[0], n) && close(own.accepts[1], n));
+        let g = d.global_estimates();
+        let w = n / (n + REQUEST_PRIOR_WEIGHT);
+        let p = d.request_estimates(7);
+        assert!(close(p[0], w * 1.0 + (1.0 - w) * g[0]) && p[0] > 0.8, "{p:?}");
+        assert!(close(d.request_estimates(8)[0], g[0]));
+        // Its counts age per step of its own: another request's steps leave them alone.
+        d.observe_step([(8, 2, 0)]);
+        assert_eq!(d.requests[&7], own);
+        d.forget(7);
+        assert!(!d.requests.contains_key(&7));
+        assert_eq!(d.request_estimates(7), d.global_estimates());
+    }
+
+    #[test]
+    fn cheap_drafts_and_high_acceptance_draft_the_most() {
+        let mut d = adaptive(7, (0..=7).collect());
+        measured(&mut d, &[0.95; 7]);
+        d.set_step_costs(costs(vec![1, 8], (0..=7).collect(), vec![(0..=7).map(|k| 1.0 + 0.02 * k as f64).collect(); 2]))
+            .unwrap();
+        assert_eq!(d.choose(&[1]), 7);
+        assert_eq!(d.choose(&[1, 2, 3]), 7);
+    }
+
+    #[test]
+    fn expensive_drafts_or_no_acceptance_draft_nothing() {
+        let mut d = adaptive(7, (0..=7).collect());
+        measured(&mut d, &[0.95; 7]);
+        // A step drafting k costs 3 + k plain steps: at 0.95 no block pays (k = 7: 6.7 tokens in 10x the time).
+        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![(0..=7).map(|k| if k == 0 { 1.0 } else { 3.0 + k as f64 }).collect()]))
+            .unwrap();
+        assert_eq!(d.choose(&[1, 2]), 0);
+        let mut d = adaptive(7, (0..=7).collect());
+        measured(&mut d, &[0.0; 7]);
+        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![(0..=7).map(|k| 1.0 + 0.01 * k as f64).collect()])).unwrap();
+        assert_eq!(d.choose(&[1]), 0);
+    }
+
+    #[test]
+    fn a_middle_case_picks_a_middle_block_and_the_bucket_decides() {
+        let mut d = adaptive(7, vec![0, 2, 4, 7]);
+        measured(&mut d, &[0.8; 7]);
+        // Rates at p = 0.8: k=0 1/1, k=2 2.44/1.2 = 2.03, k=4 3.36/1.5 = 2.24, k=7 4.16/3 = 1.39.
+        // A batch past 2 runs in the second bucket, where drafting costs 4x a plain step.
+        let small = vec![1.0, 1.2, 1.5, 3.0];
+        let large = vec![1.0, 4.0, 5.0, 6.0];
+        d.set_step_costs(costs(vec![2, 16], vec![0, 2, 4, 7], vec![small, large])).unwrap();
+        assert_eq!(d.choose(&[1]), 4);
+        assert_eq!(d.choose(&[1, 2]), 4);
+        assert_eq!(d.choose(&[1, 2, 3]), 0);
+        // Past the largest bucket: the largest bucket's costs.
+        assert_eq!(d.choose(&(0..40).collect::<Vec<u64>>()), 0);
+        // The sum runs over the step's requests: request 1 has its first draft rejected step
+        // after step, so alone it drafts less; beside request 2 (no history) the batch drafts 4.
+        let mut d2 = d.clone();
+        for _ in 0..50 {
+            d2.observe_step([(1, 7, 0)]);
+        }
+        assert!(d2.request_estimates(1)[0] < 0.2 && d2.global_estimates()[0] > 0.79);
+        assert!(d2.choose(&[1]) < 4);
+        assert_eq!(d2.choose(&[1, 2]), 4);
+        assert_eq!(d.choose(&[1]), 4, "the choice is a pure function of the history");
+    }
+
+    #[test]
+    fn adaptive_drafts_the_most_until_costs_are_known() {
+        let mut d = adaptive(5, vec![0, 5]);
+        measured(&mut d, &[0.0; 5]);
+        assert_eq!(d.choose(&[1, 2]), 5);
+        d.set_step_costs(costs(vec![1], vec![0, 5], vec![vec![1.0, 1.5]])).unwrap();
+        assert_eq!(d.choose(&[1, 2]), 0);
+        assert_eq!(d.choose(&[]), 5);
+    }
+
+    #[test]
+    fn after_giving_up_on_drafting_the_policy_explores_again() {
+        // Everything rejected: k = 0. Steps of k = 0 teach nothing but age the counts, so the
+        // estimates drift back to the prior and a block is tried again within a bounded time.
+        let mut d = adaptive(4, (0..=4).collect());
+        d.set_step_costs(costs(vec![1], (0..=4).collect(), vec![vec![1.0, 1.1, 1.2, 1.3, 1.4]])).unwrap();
+        for _ in 0..50 {
+            d.observe_step([(1, 4, 0)]);
+        }
+        assert_eq!(d.choose(&[1]), 0);
+        let mut steps = 0;
+        while d.choose(&[1]) == 0 {
+            d.observe_step([(1, 0, 0)]);
+            steps += 1;
+            assert!(steps < 1000, "never explored again");
+        }
+        assert!(steps > 10, "explored after {steps} steps: too eagerly");
+    }
+
+    #[test]
+    fn step_costs_are_validated() {
+        let ok = |b: Vec<usize>, k: Vec<usize>, s: Vec<Vec<f64>>| StepCosts::new(b, k, s).is_ok();
+        assert!(ok(vec![1, 4], vec![0, 3], vec![vec![1.0, 2.0], vec![3.0, 4.0]]));
+        assert!(!ok(vec![], vec![0], vec![]));
+        assert!(!ok(vec![1], vec![], vec![vec![]]));
+        assert!(!ok(vec![0, 4], vec![0], vec![vec![1.0], vec![1.0]]), "bucket 0");
+        assert!(!ok(vec![4, 1], vec![0], vec![vec![1.0], vec![1.0]]), "descending buckets");
+        assert!(!ok(vec![1], vec![3, 3], vec![vec![1.0, 1.0]]), "repeated k");
+        assert!(!ok(vec![1, 2], vec![0], vec![vec![1.0]]), "missing row");
+        assert!(!ok(vec![1], vec![0, 1], vec![vec![1.0]]), "short row");
+        for c in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(!ok(vec![1], vec![0], vec![vec![c]]), "cost {c}");
+        }
+        let mut d = adaptive(3, vec![0, 3]);
+        assert!(d.set_step_costs(costs(vec![1], vec![0, 4], vec![vec![1.0, 2.0]])).is_err(), "k past K");
+        assert!(d.set_step_costs(costs(vec![1], vec![0, 2], vec![vec![1.0, 2.0]])).is_err(), "candidate 3 unmeasured");
+        assert!(d.step_costs().is_none());
+        assert!(d.set_step_costs(costs(vec![1], vec![0, 1, 3], vec![vec![1.0, 2.0, 3.0]])).is_ok());
+    }
+
+    #[test]
+    fn policies_are_validated() {
+        let v = |p: DraftLenPolicy, k: usize| p.validate(k).is_ok();
+        assert!(v(DraftLenPolicy::Fixed, 0) && v(DraftLenPolicy::Fixed, 7));
+        assert!(v(DraftLenPolicy::Schedule(vec![(1, 7), (4, 2)]), 7));
+        assert!(!v(DraftLenPolicy::Schedule(vec![(4, 7), (1, 2)]), 7));
+        assert!(!v(DraftLenPolicy::Schedule(vec![(1, 0)]), 7));
+        assert!(!v(DraftLenPolicy::Schedule(vec![(1, 8)]), 7));
+        assert!(!v(DraftLenPolicy::Schedule(vec![(1, 1)]), 0));
+        assert!(v(DraftLenPolicy::Adaptive { candidates: vec![0, 3, 7] }, 7));
+        assert!(v(DraftLenPolicy::Adaptive { candidates: vec![7, 0] }, 7));
+        assert!(!v(DraftLenPolicy::Adaptive { candidates: vec![0, 3] }, 7), "must include K");
+        assert!(!v(DraftLenPolicy::Adaptive { candidates: vec![0, 8, 7] }, 7), "past K");
+        assert!(!v(DraftLenPolicy::Adaptive { candidates: vec![0, 7, 7] }, 7), "repeated");
+        assert!(!v(DraftLenPolicy::Adaptive { candidates: vec![0] }, 0), "needs speculation");
+    }
+
+    #[test]
+    fn counts_list_every_possible_k() {
+        let mut d = adaptive(4, vec![0, 2, 4]);
+        d.record_choice(2);
+        d.record_choice(2);
+        d.record_choice(4);
+        assert_eq!(d.counts(), vec![(0, 0), (2, 2), (4, 1)]);
+        let d = DraftLen::new(DraftLenPolicy::Schedule(vec![(1, 3), (4, 1)]), 3);
+        assert_eq!(d.counts(), vec![(1, 0), (3, 0)]);
+        assert_eq!(DraftLen::new(DraftLenPolicy::Fixed, 0).counts(), vec![(0, 0)]);
+    }
+
+    #[test]
+    fn draft_len_for_follows_the_schedule() {
+        let s = [(1, 7), (3, 4)];
+        assert_eq!([0, 1, 2, 3, 4, 99].map(|n| draft_len_for(&s, 7, n)), [7, 7, 4, 4, 4, 4]);
+        assert_eq!(draft_len_for(&[], 5, 9), 5);
+    }
+}
