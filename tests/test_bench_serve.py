@@ -5,7 +5,7 @@ import argparse
 import json
 
 from dflash_engine import bench_serve
-from dflash_engine.server.cli_args import add_bench_args
+from dflash_engine.cli_args import add_bench_args
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -233,7 +233,7 @@ def test_config_flag_wins_over_the_env(qwen3_dir, monkeypatch):
     import argparse
 
     from dflash_engine import LLM
-    from dflash_engine.server.cli_args import add_serve_args, engine_kwargs
+    from dflash_engine.cli_args import add_serve_args, engine_kwargs
 
     monkeypatch.setenv("DFLASH_OVERLAP", "0")
     assert LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu", overlap=True).overlap is True

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dflash_engine import LLM, SamplingParams
-from dflash_engine.server.cli_args import add_serve_args, engine_kwargs
+from dflash_engine.cli_args import add_serve_args, engine_kwargs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from dflash_engine.server.cli_args import add_serve_args
+from dflash_engine.cli_args import add_serve_args
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import MAX_MODEL_LEN, MODEL_NAME
 

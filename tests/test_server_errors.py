@@ -407,7 +407,7 @@ def test_engine_refuses_what_the_edge_refuses(models_root):
 def test_max_request_body_bytes_flag():
     import argparse
 
-    from dflash_engine.server.cli_args import add_serve_args
+    from dflash_engine.cli_args import add_serve_args
 
     parser = add_serve_args(argparse.ArgumentParser())
     assert parser.parse_args([]).max_request_body_bytes == 4 * 1024 * 1024

@@ -54,7 +54,7 @@ def test_engine_config_defaults_to_auto():
 def test_cli_flag_accepts_auto_none_and_json():
     import argparse
 
-    from dflash_engine.server.cli_args import add_serve_args
+    from dflash_engine.cli_args import add_serve_args
 
     p = add_serve_args(argparse.ArgumentParser())
     assert p.parse_args([]).speculative_config == "auto"

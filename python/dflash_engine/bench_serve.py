@@ -376,6 +376,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from .server.cli_args import add_bench_args
+    from .cli_args import add_bench_args
 
     raise SystemExit(main(add_bench_args(argparse.ArgumentParser("bench serve")).parse_args()))

@@ -31,8 +31,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .server.cli_args import (
-        _spec_config, add_batch_invariant_arg, add_bench_args, add_cpu_weights_arg, add_serve_args,
+    from .cli_args import (
+        add_batch_invariant_arg,
+        add_bench_args,
+        add_cpu_weights_arg,
+        add_serve_args,
+        speculative_config_arg,
     )
 
     ap = argparse.ArgumentParser(prog="dflash-engine", description=__doc__)
@@ -47,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--speculative-config", type=_spec_config, default="auto",
+    g.add_argument("--speculative-config", type=speculative_config_arg, default="auto",
                    help="JSON object, auto (default) or none; see `serve --help`")
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None)
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return convert_main(argv[1:])
     if argv and argv[0] == "train-draft":  # dispatched early: its own flags, no server packages
-        from .train_draft import main as train_draft_main
+        from .train.cli import main as train_draft_main
 
         return train_draft_main(argv[1:])
     if argv and argv[0] == "make-random-checkpoint":  # dispatched early: needs no server packages

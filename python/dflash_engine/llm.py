@@ -36,13 +36,14 @@ class LLM:
         cpu_weights: str = "auto",
     ):
         """speculative_config: "auto" (default): DFlash with the shipped draft when `model` is
-        the embedded SmolLM2 on a GPU, else off; None or "none": off; a dict: vLLM's keys
+        the embedded SmolLM2 (on a GPU or the CPU), off for other models; None or "none": off;
+        a dict: vLLM's keys
         ({"method": "dflash"} alone means the shipped draft of the embedded model).
         batch_invariant=True: exact CPU GEMMs (a row's bits never depend on its batch, so
         spec-on output equals spec-off exactly); False: plain CPU kernels (fast); None: from
         $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT, default False.
         cpu_weights: the fast CPU mode's GEMM weights, "auto" (default), "none", "bf16" or
-        "int4" (EngineConfig.cpu_weights, models/cpu_weights.py)."""
+        "int4" (EngineConfig.cpu_weights, cpu/weights.py)."""
         self.engine = LLMEngine(
             EngineConfig(
                 model=model, speculative_config=speculative_config, max_num_seqs=max_num_seqs,

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from . import envs
 from .gguf_convert import convert_gguf
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -37,7 +38,8 @@ def default_gguf_path() -> Path:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("DFLASH_ENGINE_CACHE")
+    """Where converted models live: envs.engine_cache(), else ~/.cache/dflash-engine."""
+    root = envs.engine_cache()
     return Path(root).expanduser() if root else Path.home() / ".cache" / "dflash-engine"
 
 

@@ -18,17 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+from .. import envs
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine pulls in torch; importing the server package stays light
+    from ..engine import EngineStats, LLMEngine
+    from ..tokenizer import Tokenizer
+    from .metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ class RequestStream:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_tokens: int = 0
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Thread-safe: hands ``item`` to the consumer's event loop."""
@@ -85,46 +90,53 @@ class _Abort:
     stream: RequestStream
 
 
-_STOP = object()
+class _Stop:
+    """Shutdown: the engine thread returns once it reads this command."""
 
-# Python's GIL switch interval (default 5 ms) is how long the engine thread, back from waiting
-# on the device, may wait for the GIL while the event loop runs Python (SSE, JSON): the device
-# idles meanwhile. The server shortens it; DFLASH_SWITCH_INTERVAL_MS=0 keeps Python's default.
-_SWITCH_INTERVAL_MS_DEFAULT = 0.5
+
+_STOP = _Stop()
+_Command = _Add | _Abort | _Stop
 
 
 def _shorten_switch_interval() -> None:
-    ms = float(os.environ.get("DFLASH_SWITCH_INTERVAL_MS", _SWITCH_INTERVAL_MS_DEFAULT) or 0)
+    """Python's GIL switch interval (default 5 ms) is how long the engine thread, back from
+    waiting on the device, may wait for the GIL while the event loop runs Python (SSE, JSON):
+    the device idles meanwhile. The server shortens it (envs.switch_interval_ms; 0 keeps
+    Python's default)."""
+    ms = envs.switch_interval_ms()
     if ms > 0:
         sys.setswitchinterval(ms / 1000)
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: Any, metrics: Any | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._live: dict[str, RequestStream] = {}  # event loop only: added, not yet done with
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._last_stats = engine.stats()  # a snapshot already
-        if hasattr(engine, "output_sink"):
-            # Outputs ready mid-step (while the device runs the next step) go to their
-            # streams at once, off the device's critical path (engine.py, module doc).
-            engine.output_sink = self._deliver
+        # Outputs ready mid-step (while the device runs the next step) go to their streams
+        # at once, off the device's critical path (engine.py, module doc).
+        engine.output_sink = self._deliver
 
     # ---- event-loop side ---------------------------------------------------------------
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     @property
-    def vocab_size(self) -> int | None:
+    def vocab_size(self) -> int:
         """The target's vocabulary: valid token ids are [0, vocab_size)."""
-        model_config = getattr(self.engine, "model_config", None)
-        return getattr(model_config, "vocab_size", None)
+        return self.engine.model_config.vocab_size
+
+    @property
+    def synthetic_acceptance(self) -> bool:
+        """Benchmark-only synthetic acceptance is on: every output says so."""
+        return self.engine.synthetic_acceptance
 
     @property
     def max_model_len(self) -> int:
@@ -144,7 +156,7 @@ class AsyncLLMEngine:
         """Requests added and not yet released by their consumer (event-loop view)."""
         return len(self._live)
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         """The engine's stats as of the end of the latest step (never races a step)."""
         return self._last_stats
 
@@ -203,7 +215,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         client_request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; raise what failed it."""
         stream = self.add_request(request_id, prompt_token_ids, params, prompt, client_request_id)
         finished = False
@@ -245,7 +257,7 @@ class AsyncLLMEngine:
         except queue.Empty:
             return True
         while True:
-            if cmd is _STOP:
+            if isinstance(cmd, _Stop):
                 return False
             if isinstance(cmd, _Add):
                 self._add(cmd)

@@ -8,10 +8,16 @@ snapshot, so they can never drift from the engine's own accounting.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from ..engine import EngineStats
+    from .async_engine import RequestStream
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -52,7 +58,7 @@ _GAUGES = [
 
 
 class _EngineStatsCollector:
-    def __init__(self, model_name: str, stats: Callable[[], Any], acceptance: str) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], acceptance: str) -> None:
         self.model_name = model_name
         self.stats = stats
         self.acceptance = acceptance
@@ -83,11 +89,11 @@ class _EngineStatsCollector:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], Any], synthetic: bool = False) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], synthetic: bool = False) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
-        def hist(name: str, doc: str, buckets: list[float]) -> Any:
+        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(
                 model_name
             )
@@ -103,19 +109,19 @@ class ServerMetrics:
         self.registry.register(
             _EngineStatsCollector(model_name, stats, "synthetic" if synthetic else "target"))
 
-    def observe_output(self, stream: Any, out: Any, now: float) -> None:
+    def observe_output(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         """One engine output of a request (engine thread); updates the stream's timing."""
         if out.new_token_ids:
             if stream.first_token_at is None:
                 stream.first_token_at = now
                 self.ttft.observe(now - stream.arrival)
-            else:
+            elif stream.last_token_at is not None:
                 self.itl.observe(now - stream.last_token_at)
             stream.last_token_at = now
             stream.num_tokens += len(out.new_token_ids)
         if out.finished and out.error is None:
             self.e2e.observe(now - stream.arrival)
-            if stream.num_tokens > 1:
+            if stream.num_tokens > 1 and stream.first_token_at is not None:
                 self.tpot.observe((now - stream.first_token_at) / (stream.num_tokens - 1))
 
     def render(self) -> bytes:

@@ -1,14 +1,18 @@
-"""Flags of `dflash-engine serve` and `dflash-engine bench serve`, named as vLLM names them."""
+"""Flags of `dflash-engine serve`, `generate` and `bench serve`, named as vLLM names them.
+
+Defaults that come from the environment are read through envs.py when the parser is built.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
+from . import envs
 
-def _spec_config(text: str) -> dict[str, Any] | str:
+
+def speculative_config_arg(text: str) -> dict[str, Any] | str:
     """--speculative-config: a JSON object, or auto / none."""
     if text.strip().lower() in ("auto", "none", "off"):
         return text.strip().lower()
@@ -70,12 +74,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
                         help="name clients send as `model` (default: the model path)")
-    parser.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+    parser.add_argument("--api-key", default=envs.server_api_key(),
                         help="require `Authorization: Bearer KEY` on /v1/* "
                              "(default: $DFLASH_API_KEY)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one engine step (default: max(2048, (K+1) x "
+                             "max-num-seqs), K the speculative tokens per step, 0 with speculation off)")
     parser.add_argument("--num-gpu-blocks-override", "--num-blocks", dest="num_gpu_blocks_override",
                         type=int, default=None, help="KV pool size in pages (skips memory sizing)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -84,10 +90,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         default=True,
                         help="share the KV of cached prompt prefixes (target and DFlash draft); "
                              "on by default, --no-enable-prefix-caching turns it off")
-    parser.add_argument("--speculative-config", type=_spec_config, default="auto",
+    parser.add_argument("--speculative-config", type=speculative_config_arg, default="auto",
                         help='JSON, e.g. \'{"method": "dflash", "model": DRAFT_DIR, "num_speculative_tokens": 15}\'; '
-                             '"none": off; "auto" (default): the shipped DFlash draft for the embedded model '
-                             'on a GPU, else off; \'{"method": "dflash"}\' alone: the shipped draft anywhere')
+                             '"none": off; "auto" (default): the shipped DFlash draft when the model is the '
+                             'embedded default (on a GPU or the CPU), off for other models; '
+                             '\'{"method": "dflash"}\' alone: the shipped draft (embedded model only)')
     parser.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--seed", type=int, default=None)
@@ -135,8 +142,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=["openai", "openai-chat"], default="openai-chat",
                         help="openai: /v1/completions; openai-chat: /v1/chat/completions")
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
-    parser.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY",
-                                                            os.environ.get("OPENAI_API_KEY")))
+    parser.add_argument("--api-key", default=envs.client_api_key(),
+                        help="sent as `Authorization: Bearer KEY` (default: $DFLASH_API_KEY, "
+                             "else $OPENAI_API_KEY)")
     parser.add_argument("--dataset-name", choices=["random", "humaneval"], default="random")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=512)
