@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_engine.model_path import resolve_model_path
     from dflash_engine.models import load_target
     from dflash_engine.models.loader import load_draft, read_config
-    from dflash_engine.train_draft import dense_block_forward, dense_target_taps
+    from dflash_engine.train.dense import dense_block_forward, dense_target_taps
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", required=True)

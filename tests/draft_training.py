@@ -1,7 +1,6 @@
 """Train a tiny DFlash draft against a tiny target, so engine tests see real acceptance.
 
-The recipe is the one of shared/design/DFLASH.md ("Training a draft"), scaled down to a
-CPU test budget:
+The recipe is the product trainer's (dflash_engine.train), scaled down to a CPU test budget:
 - training sequences are the target's own greedy continuations of random short prompts;
 - random anchors `a` on response tokens; block input `[x_a, MASK x (B-1)]` embedded with the
   frozen target embedding at absolute positions a..a+B-1;
@@ -11,7 +10,7 @@ CPU test budget:
 - row k (k >= 1) predicts x_{a+k} through the frozen target lm_head, loss weight
   exp(-(k-1)/gamma); the draft starts from a random initialisation.
 
-The trainer is the product's (dflash_engine.train_draft: dense training forward from the
+The trainer is the product's (dflash_engine.train: dense training forward from the
 draft module's own parameters, taps from a dense forward of the engine's target, export in
 the published DFlashDraftModel layout that `load_draft` reads); this module only supplies the
 test data (random byte prompts continued greedily by the target) and the test recipe.
@@ -43,10 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import dflash_engine.train_draft as product
 import torch
 from attention_meta import meta_for_batch
-from dflash_engine.train_draft import Sample, TrainConfig, dense_block_forward, loss_gamma  # noqa: F401 (re-exported)
 from tiny_models import (
     ENDOFTEXT_ID,
     SPECIAL_TOKENS,
@@ -54,6 +51,10 @@ from tiny_models import (
     make_tiny_tokenizer,
 )
 from torch import Tensor
+
+import dflash_engine.train as product
+from dflash_engine.train import Sample, TrainConfig, loss_gamma  # noqa: F401 (re-exported)
+from dflash_engine.train.dense import dense_block_forward  # noqa: F401 (re-exported)
 
 FIRST_RESERVED_ID = ENDOFTEXT_ID + len(SPECIAL_TOKENS)  # ids >= this are reserved (unused) tokens
 # make_tiny_qwen3 arguments of a target whose greedy continuations are learnable (see above).
@@ -169,7 +170,8 @@ class _torch_state:
 
 def _cache_key(target_dir: Path, params: dict[str, Any]) -> str:
     h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
-    for f in [Path(__file__), Path(__file__).with_name("tiny_models.py"), Path(product.__file__),
+    recipe = sorted(Path(product.__file__).parent.glob("*.py"))  # the product trainer's package
+    for f in [Path(__file__), Path(__file__).with_name("tiny_models.py"), *recipe,
               target_dir / "config.json", *sorted(target_dir.glob("*.safetensors"))]:
         h.update(f.read_bytes())  # the recipe's source and the target's weights
     return h.hexdigest()[:24]
@@ -200,7 +202,7 @@ def train_tiny_draft(
     Data: `num_prompts` random byte prompts of `prompt_len` (random_prompts(seed=seed)),
     continued greedily by the target for `new_tokens`. Each step: `seqs_per_step` sequences x
     `anchors_per_step` random anchors per sequence on response tokens, Adam at `lr` (20-step
-    warm-up, cosine decay, no clipping), through the product trainer (train_draft.train).
+    warm-up, cosine decay, no clipping), through the product trainer (dflash_engine.train.train).
     Taps default to default_train_layer_ids; mask_token_id is the reserved id least used by
     the continuations. Deterministic for given arguments and target.
 
@@ -311,8 +313,8 @@ def measure_acceptance(
     same step. Steps run while a whole block fits in the continuation.
 
     context_position_offset != 0 writes the context at wrong RoPE positions (negative control)."""
-    from dflash_engine.kv_cache import KVCache
     from dflash_engine.models import load_draft, load_target
+    from dflash_engine.worker.kv_cache import KVCache
 
     with _torch_state(0, num_threads):
         target = load_target(target_dir, dtype="float32")

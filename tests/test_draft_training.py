@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_meta import meta_for_batch
-from dflash_engine.kv_cache import KVCache
+from dflash_engine.worker.kv_cache import KVCache
 from dflash_engine.models import load_draft, load_target
 from dflash_engine.models.config import ModelConfig
 from draft_training import (

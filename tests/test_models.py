@@ -14,7 +14,7 @@ from attention_meta import meta_for_batch
 from safetensors.torch import load_file, save_file
 from tiny_models import IM_END_ID, make_tiny_dflash_draft, make_tiny_llama, make_tiny_qwen3
 
-from dflash_engine.kv_cache import KVCache
+from dflash_engine.worker.kv_cache import KVCache
 from dflash_engine.models import load_draft, load_target
 from dflash_engine.models.config import (
     DraftConfig,

@@ -13,18 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
+from tiny_models import IM_END_ID, draft_tensor_shapes
+
 from dflash_engine import LLM, SamplingParams
 from dflash_engine.cli import main as cli_main
 from dflash_engine.tokenizer import Tokenizer
-from dflash_engine.train_draft import (
-    loss_gamma,
-    mask_token_candidates,
-    stdlib_code_prompts,
-    stdlib_functions,
-    user_turn_prefix,
-)
-from safetensors import safe_open
-from tiny_models import IM_END_ID, draft_tensor_shapes
+from dflash_engine.train.code_prompts import stdlib_code_prompts, stdlib_functions
+from dflash_engine.train.data import mask_token_candidates
+from dflash_engine.train.self_prompts import user_turn_prefix
+from dflash_engine.train.trainer import loss_gamma
 
 BLOCK = 4
 
@@ -79,7 +77,7 @@ def test_stdlib_code_prompts_reuse_functions_under_other_templates_and_their_cod
     import ast
     import re
 
-    from dflash_engine.train_draft import _CODE_TEMPLATES
+    from dflash_engine.train.code_prompts import _CODE_TEMPLATES
 
     n_funcs = 60
     prompts = stdlib_code_prompts(3 * n_funcs, seed=1)
@@ -102,7 +100,7 @@ def test_build_dataset_stops_at_its_deadline(tmp_path, qwen3_dir):
     answered, the queued ones dropped, and the cache holds those samples."""
     import time
 
-    from dflash_engine.train_draft import DataConfig, build_dataset
+    from dflash_engine.train.data import DataConfig, build_dataset
 
     cfg = DataConfig(samples=24, max_len=96, response_tokens=12, gen_batch=2, code_fraction=1.0)
     samples, info = build_dataset(qwen3_dir, tmp_path, cfg, block_size=BLOCK, device="cpu",
@@ -214,9 +212,10 @@ def test_dense_target_taps_match_the_engines_paged_forward(request, model):
     """The trainer's taps (a dense causal forward) are the residual stream the engine's
     target hands the draft at inference (paged forward), last layer included."""
     from attention_meta import meta_for_batch
-    from dflash_engine.kv_cache import KVCache
+
     from dflash_engine.models import load_target
-    from dflash_engine.train_draft import dense_target_taps
+    from dflash_engine.train.dense import dense_target_taps
+    from dflash_engine.worker.kv_cache import KVCache
 
     target = load_target(request.getfixturevalue(model), dtype="float32")
     taps_at = [0, 2, target.config.num_hidden_layers - 1]
@@ -246,7 +245,7 @@ def test_time_budget_fits_the_steps_and_the_schedule_to_the_clock(run):
     cosine then ends at the fitted step) and exports."""
     import time
 
-    from dflash_engine.train_draft import Sample, TrainConfig, train
+    from dflash_engine.train import Sample, TrainConfig, train
 
     lines = Path(run.report["data"]["path"]).read_text().splitlines()
     samples = [Sample(**json.loads(x)) for x in lines]
@@ -291,7 +290,7 @@ def test_held_out_split_is_by_content_and_stable_under_more_data():
     start never scores a sample it trained on; tiny datasets still get a few held out."""
     import random
 
-    from dflash_engine.train_draft import Sample, split_held_out
+    from dflash_engine.train.data import Sample, split_held_out
 
     rng = random.Random(0)
 
@@ -314,7 +313,7 @@ def test_held_out_split_is_by_content_and_stable_under_more_data():
 def test_code_source_all_adds_the_installed_packages():
     """--code-source all: functions from site-packages too (read as source, never imported);
     stdlib-only stays the default."""
-    from dflash_engine.train_draft import code_roots
+    from dflash_engine.train.code_prompts import code_roots
 
     purelib = Path(sysconfig.get_paths()["purelib"])
     assert code_roots("stdlib") == [Path(sysconfig.get_paths()["stdlib"])]
@@ -335,7 +334,7 @@ def test_code_source_all_adds_the_installed_packages():
 def test_self_written_code_requests_start_with_their_leads(qwen3_dir):
     """Code requests the target writes itself: each begins with one of the leads, open code
     blocks are closed, and they are distinct."""
-    from dflash_engine.train_draft import CODE_LEADS, self_written_prompts
+    from dflash_engine.train.self_prompts import CODE_LEADS, self_written_prompts
 
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=16)
     leads = CODE_LEADS[:2] + ["Complete the following Python function.\n\n```python\ndef"]
@@ -349,7 +348,7 @@ def test_self_written_code_requests_start_with_their_leads(qwen3_dir):
 def test_data_shards_split_the_prompts_and_gen_workers_join_them(tmp_path, qwen3_dir):
     """--data-shard i/N answers every N-th prompt of the seed's list (the shards partition
     it); --gen-workers N runs the N shards in processes of their own and trains on all of them."""
-    from dflash_engine.train_draft import DataConfig, build_dataset
+    from dflash_engine.train.data import DataConfig, build_dataset
 
     def data(shard: int, n: int):
         cfg = DataConfig(samples=12, max_len=400, response_tokens=8, gen_batch=8, code_fraction=1.0,

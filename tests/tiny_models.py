@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dflash_engine.models.config import draft_config_dict, write_draft_config
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
 CHATML_TEMPLATE = (
@@ -178,39 +180,20 @@ def make_tiny_dflash_draft(
     block_size_in_dflash_config: bool = False,
     extra_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Published DFlash layout. target_layer_ids=None leaves them out of config.json
-    (the parser's default applies, one tap per draft layer)."""
+    """Published DFlash layout (models/config.py draft_config_dict, unvalidated: tests write
+    drafts that do not fit their target on purpose), with its own rope_theta.
+    target_layer_ids=None leaves them out of config.json (the parser's default applies, one
+    tap per draft layer)."""
     target = _target_dict(target_dir_or_config)
-    heads = target["num_attention_heads"]
     vocab_size = target["vocab_size"]
-    dflash: dict[str, Any] = {"mask_token_id": vocab_size - 1 if mask_token_id is None else mask_token_id}
-    if target_layer_ids is not None:
-        dflash["target_layer_ids"] = list(target_layer_ids)
-    cfg: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "num_target_layers": target["num_hidden_layers"],
-        "dflash_config": dflash,
-        "hidden_size": target["hidden_size"],
-        "intermediate_size": 2 * target["hidden_size"],
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": target.get("num_key_value_heads") or heads,
-        "head_dim": target.get("head_dim") or target["hidden_size"] // heads,
-        "rope_theta": rope_theta,
-        "rope_scaling": None,
-        "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
-        "vocab_size": vocab_size,
-        "max_position_embeddings": target.get("max_position_embeddings", 2048),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
+    cfg = draft_config_dict(target, num_layers=num_layers, block_size=block_size,
+                            mask_token_id=vocab_size - 1 if mask_token_id is None else mask_token_id,
+                            target_layer_ids=target_layer_ids, validate=False)
+    cfg.update(rope_theta=rope_theta, rope_scaling=None)
+    if target_layer_ids is None:
+        del cfg["dflash_config"]["target_layer_ids"]
     if block_size_in_dflash_config:
-        dflash["block_size"] = block_size
-    else:
-        cfg["block_size"] = block_size
+        cfg["dflash_config"]["block_size"] = cfg.pop("block_size")
     cfg.update(extra_config or {})
     n_taps = len(target_layer_ids) if target_layer_ids is not None else num_layers
     if state_dict is None:
@@ -221,8 +204,7 @@ def make_tiny_dflash_draft(
             for name, shape in draft_tensor_shapes(cfg, n_taps).items()
         }
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_draft_config(path, cfg)
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path / "model.safetensors"))
     make_tiny_tokenizer(path, vocab_size)
     return path

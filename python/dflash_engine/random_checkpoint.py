@@ -2,7 +2,7 @@
 
 A target (Qwen3ForCausalLM: config.json, generation_config.json, safetensors shards of at
 most 5 GB with model.safetensors.index.json, the real Qwen3 tokenizer) and optionally a
-matching DFlash draft (DFlashDraftModel, published layout, see shared/design/DFLASH.md).
+matching DFlash draft (DFlashDraftModel, published layout: models/config.py draft_config_dict).
 They stand in for real weights in speed measurements: same shapes, same names, same bytes.
 
 Weights are N(0, 0.02) for matrices and ones for norms, generated tensor by tensor on the
@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from .model_runner import resolve_device
+from .models.config import draft_config_dict, write_draft_config
+from .runtime_config import resolve_device
 
 QWEN3_VOCAB_SIZE = 151936
 ENDOFTEXT_ID = 151643  # <|endoftext|>: bos and pad in Qwen3's configs
@@ -112,14 +113,6 @@ def target_config(shape: str, dtype: str = "bfloat16") -> dict[str, Any]:
     }
 
 
-def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFLASH.md's default: round(1 + i*(L-4)/(n-1)); n == 1 gives [L // 2]."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
 def draft_config(
     target: dict[str, Any],
     num_layers: int,
@@ -128,45 +121,15 @@ def draft_config(
     target_layer_ids: list[int] | None = None,
     dtype: str = "bfloat16",
 ) -> dict[str, Any]:
-    """config.json of a DFlash draft for `target` (a target config.json dict), published layout."""
+    """config.json of a DFlash draft for `target` (a target config.json dict), published layout
+    (models/config.py `draft_config_dict`), with distinct taps."""
     _check_dtype(dtype)
-    n_target = target["num_hidden_layers"]
-    taps = default_tap_layers(n_target, num_layers) if target_layer_ids is None else list(target_layer_ids)
-    if not taps or any(not 0 <= t < n_target for t in taps) or len(set(taps)) != len(taps):
-        raise ValueError(f"draft taps {taps} must be distinct layers of the {n_target}-layer target")
-    if not 0 <= mask_token_id < target["vocab_size"]:
-        raise ValueError(f"mask_token_id {mask_token_id} outside the vocabulary ({target['vocab_size']})")
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "block_size": block_size,
-        "bos_token_id": target.get("bos_token_id"),
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps},
-        "eos_token_id": target.get("eos_token_id"),
-        "head_dim": target["head_dim"],
-        "hidden_act": "silu",
-        "hidden_size": target["hidden_size"],
-        "initializer_range": INIT_STD,
-        "intermediate_size": target["intermediate_size"],
-        "layer_types": ["full_attention"] * num_layers,
-        "max_position_embeddings": target["max_position_embeddings"],
-        "max_window_layers": num_layers,
-        "model_type": "qwen3",
-        "num_attention_heads": target["num_attention_heads"],
-        "num_hidden_layers": num_layers,
-        "num_key_value_heads": target["num_key_value_heads"],
-        "num_target_layers": n_target,
-        "rms_norm_eps": target["rms_norm_eps"],
-        "rope_scaling": None,
-        "rope_theta": target["rope_theta"],
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": target["vocab_size"],
-    }
+    cfg = draft_config_dict(target, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
+                            target_layer_ids=target_layer_ids, torch_dtype=dtype, initializer_range=INIT_STD)
+    taps = cfg["dflash_config"]["target_layer_ids"]
+    if not taps or len(set(taps)) != len(taps):  # the default formula repeats layers of a shallow target
+        raise ValueError(f"draft taps {taps} must be distinct layers of the {target['num_hidden_layers']}-layer target")
+    return cfg
 
 
 def generation_config(target: dict[str, Any]) -> dict[str, Any]:
@@ -487,10 +450,12 @@ def make_random_checkpoint(
     t_start = time.perf_counter()
     for i, (path, cfg, shapes) in enumerate(jobs):
         role = "target" if i == 0 else "draft"
-        _write_json(path / "config.json", cfg)
         if role == "target":
+            _write_json(path / "config.json", cfg)
             _write_json(path / "generation_config.json", generation_config(cfg))
             write_tokenizer(path)
+        else:
+            write_draft_config(path, cfg)
         if config_only:
             summary[role]["files"] = []
             continue

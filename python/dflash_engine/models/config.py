@@ -1,7 +1,9 @@
 """Model configs parsed from Hugging Face config.json dicts, and draft/target validation."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,6 +150,8 @@ class ModelConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published drafts' taps: round(1 + i*(L-4)/(n-1)) for n draft layers over L target
+    layers; a one-layer draft taps the middle layer L // 2. The one tap formula of the repo."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
@@ -221,3 +225,70 @@ def validate_draft_against_target(draft: DraftConfig, target: ModelConfig) -> No
         )
     if problems:
         raise ValueError("DFlash draft does not match the target: " + "; ".join(problems))
+
+
+def draft_config_dict(
+    target: dict[str, Any] | ModelConfig,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+    torch_dtype: str = "float32",
+    initializer_range: float = 0.02,
+    validate: bool = True,
+) -> dict[str, Any]:
+    """config.json of a DFlash draft in the published layout (DFlashDraftModel, Qwen3-style
+    layers, block_size at the top, dflash_config {mask_token_id, target_layer_ids}) with
+    `num_layers` layers of the target's width, heads, RoPE and vocabulary. This is the one
+    writer of draft configs: the trainer's export, random checkpoints and test drafts all use it.
+
+    `target` is the target's config.json dict (or its parsed ModelConfig); taps default to
+    default_target_layer_ids. `validate` refuses a draft the target cannot run (taps outside
+    it, a mask token outside its vocabulary); tests that write broken drafts on purpose turn
+    it off."""
+    t = target if isinstance(target, ModelConfig) else ModelConfig.from_dict(target)
+    taps = (default_target_layer_ids(t.num_hidden_layers, num_layers) if target_layer_ids is None
+            else [int(i) for i in target_layer_ids])
+    cfg = {
+        "architectures": [DRAFT_ARCHITECTURE],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": block_size,
+        "bos_token_id": t.raw.get("bos_token_id"),
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": taps},
+        "eos_token_id": t.raw.get("eos_token_id"),
+        "head_dim": t.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": t.hidden_size,
+        "initializer_range": initializer_range,
+        "intermediate_size": t.intermediate_size,
+        "layer_types": ["full_attention"] * num_layers,
+        "max_position_embeddings": t.max_position_embeddings,
+        "max_window_layers": num_layers,
+        "model_type": "qwen3",
+        "num_attention_heads": t.num_attention_heads,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": t.num_key_value_heads,
+        "num_target_layers": t.num_hidden_layers,
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_scaling": t.rope_scaling,
+        "rope_theta": t.rope_theta,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": torch_dtype,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": t.vocab_size,
+    }
+    if validate:
+        validate_draft_against_target(DraftConfig.from_dict(cfg), t)
+    return cfg
+
+
+def write_draft_config(directory: str | Path, cfg: dict[str, Any]) -> Path:
+    """Write `cfg` (a draft_config_dict) as `directory`/config.json; returns that path."""
+    path = Path(directory) / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return path
