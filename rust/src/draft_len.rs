@@ -33,9 +33,12 @@ use std::collections::HashMap;
 
 use crate::error::{CoreError, CoreResult};
 
-/// Global counts decay by this factor once per committed step with decoding requests.
+/// Global counts decay by this factor once per committed step with decoding requests: a
+/// half-life of ~34 steps, enough samples at batch 1, quick to follow a new workload, and
+/// what bounds how long a policy that stopped drafting waits before it tries again.
 pub const GLOBAL_DECAY: f64 = 0.98;
-/// A request's counts decay by this factor once per step of that request.
+/// A request's counts decay by this factor once per step of that request (half-life ~7
+/// steps): acceptance follows what the request is writing now (code, prose, a list).
 pub const REQUEST_DECAY: f64 = 0.9;
 /// W: pseudo-observations of the prior in a global estimate.
 pub const PRIOR_WEIGHT: f64 = 2.0;
@@ -533,12 +536,13 @@ mod tests {
         let mut d = adaptive(7, (0..=7).collect());
         measured(&mut d, &[0.95; 7]);
         // A step drafting k costs 3 + k plain steps: at 0.95 no block pays (k = 7: 6.7 tokens in 10x the time).
-        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![(0..=7).map(|k| if k == 0 { 1.0 } else { 3.0 + k as f64 }).collect()]))
-            .unwrap();
+        let seconds = (0..=7).map(|k| if k == 0 { 1.0 } else { 3.0 + k as f64 }).collect();
+        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![seconds])).unwrap();
         assert_eq!(d.choose(&[1, 2]), 0);
         let mut d = adaptive(7, (0..=7).collect());
         measured(&mut d, &[0.0; 7]);
-        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![(0..=7).map(|k| 1.0 + 0.01 * k as f64).collect()])).unwrap();
+        let seconds = (0..=7).map(|k| 1.0 + 0.01 * k as f64).collect();
+        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![seconds])).unwrap();
         assert_eq!(d.choose(&[1]), 0);
     }
 

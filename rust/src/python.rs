@@ -79,11 +79,15 @@ fn counts_vec(v: Vec<i64>, what: &str) -> PyResult<Vec<usize>> {
 fn parse_policy(name: &str, schedule: Vec<(usize, usize)>, candidates: Vec<usize>, k_max: usize) -> PyResult<DraftLenPolicy> {
     let err = |m: String| Err(pyo3::exceptions::PyValueError::new_err(m));
     match name {
-        "fixed" | "schedule" if !candidates.is_empty() => err(format!("draft_len_candidates need draft_len_policy='adaptive', not {name:?}")),
+        "fixed" | "schedule" if !candidates.is_empty() => {
+            err(format!("draft_len_candidates need draft_len_policy='adaptive', not {name:?}"))
+        }
         "fixed" if schedule.is_empty() => Ok(DraftLenPolicy::Fixed),
         "schedule" if schedule.is_empty() => err("draft_len_policy='schedule' needs a non-empty draft_len_schedule".into()),
         "fixed" | "schedule" => Ok(DraftLenPolicy::Schedule(schedule)),
-        "adaptive" if !schedule.is_empty() => err("give either a draft_len_schedule or draft_len_policy='adaptive', not both".into()),
+        "adaptive" if !schedule.is_empty() => {
+            err("give either a draft_len_schedule or draft_len_policy='adaptive', not both".into())
+        }
         "adaptive" if candidates.is_empty() => Ok(DraftLenPolicy::Adaptive { candidates: (0..=k_max).collect() }),
         "adaptive" => Ok(DraftLenPolicy::Adaptive { candidates }),
         other => err(format!("unknown draft_len_policy {other:?} (fixed, schedule, adaptive)")),

@@ -162,7 +162,11 @@ impl DraftLenRef {
         let g = self.global_estimates();
         let Some((n, a)) = self.requests.get(&h) else { return g };
         let n0 = draft_len::REQUEST_PRIOR_WEIGHT;
-        (0..self.k).map(|j| { let w = n[j] / (n[j] + n0); if n[j] > 0.0 { w * a[j] / n[j] + (1.0 - w) * g[j] } else { g[j] } }).collect()
+        let blend = |j: usize| {
+            let w = n[j] / (n[j] + n0);
+            if n[j] > 0.0 { w * a[j] / n[j] + (1.0 - w) * g[j] } else { g[j] }
+        };
+        (0..self.k).map(blend).collect()
     }
 
     /// The k's a step over `decoding` may draft (more than one only on a near tie).
@@ -194,7 +198,8 @@ impl DraftLenRef {
     fn check(&self, s: &Scheduler, live: &HashMap<u64, Model>) {
         let close = |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9);
         let dl = s.draft_len();
-        assert!(close(&dl.global_estimates(), &self.global_estimates()), "{:?} vs {:?}", dl.global_estimates(), self.global_estimates());
+        let (got, want) = (dl.global_estimates(), self.global_estimates());
+        assert!(close(&got, &want), "global acceptance estimates {got:?}, the reference {want:?}");
         for h in live.keys() {
             assert!(close(&dl.request_estimates(*h), &self.request_estimates(*h)), "request {h}: acceptance estimates");
         }
@@ -777,7 +782,8 @@ fn adaptive_harness_sees_several_draft_lengths() {
         ops.extend((0..6).map(|s| Op::Step { seed: i as u64 * 10 + s }));
     }
     let seconds = vec![vec![1.0, 1.6, 1.9, 2.2], vec![1.0, 1.8, 2.4, 3.0]];
-    let chosen = run_policy(ops, 60, 3, 64, false, DraftLenPolicy::Adaptive { candidates: vec![0, 1, 2, 3] }, 0, Some((0, vec![1, 4], seconds)), true);
+    let policy = DraftLenPolicy::Adaptive { candidates: vec![0, 1, 2, 3] };
+    let chosen = run_policy(ops, 60, 3, 64, false, policy, 0, Some((0, vec![1, 4], seconds)), true);
     let seen: std::collections::BTreeSet<usize> = chosen.iter().copied().collect();
     assert!(seen.contains(&0) && seen.contains(&3) && seen.len() >= 3, "chosen: {chosen:?}");
 }
