@@ -1,0 +1,130 @@
+"""Gated DeltaNet layer ops over a flat batch with slot-indexed state: torch reference.
+
+A GDN layer keeps, per sequence, a conv window (the last K-1 inputs of its short causal
+conv) and a recurrent state; both live in pools indexed by state slot. Every op here takes
+the same slot contract (models/hybrid_state.py's StateMetadata):
+- `read[r]`: the slot sequence r's state is read from (< 0: no state yet, start from zeros);
+- `write[t]`: the slot that receives the state after row t (< 0: not kept).
+All states are read before any is written, so a request may write the slot it read.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .delta_rule import chunk_gated_delta_rule, host_list, read_slots, recurrent_gated_delta_rule
+
+
+def _depthwise(seq: Tensor, weight: Tensor) -> Tensor:
+    """Valid depthwise conv: seq [C, K-1+L], weight [C, K] -> [C, L], as K shifted
+    multiply-adds (F.conv1d's depthwise CPU path costs ~10 ms a call on a busy 2-core host)."""
+    length = seq.shape[1] - weight.shape[1] + 1
+    y = seq[:, :length] * weight[:, :1]
+    for j in range(1, weight.shape[1]):
+        y = y.addcmul_(seq[:, j:j + length], weight[:, j:j + 1])
+    return y
+
+
+def causal_conv1d(
+    x: Tensor, weight: Tensor, cu_seqlens: Tensor | Sequence[int], conv_pool: Tensor, read: Tensor,
+    write: Tensor,
+) -> Tensor:
+    """silu(depthwise causal conv) of each sequence, continuing from its window.
+
+    x [T, C]; weight [C, K]; conv_pool [S, C, K-1] (the activation dtype). The window after
+    row t (its last K-1 inputs, row t included) is stored at conv_pool[write[t]]. The conv
+    runs in the weight's dtype and the result comes back in x's (as transformers does)."""
+    cu = host_list(cu_seqlens)
+    width = weight.shape[1] - 1
+    windows = read_slots(conv_pool, read)  # [R, C, K-1]
+    out = torch.empty_like(x)
+    keep_slots, keep_windows = [], []
+    write_host = host_list(write)
+    for r in range(len(cu) - 1):
+        s, e = cu[r], cu[r + 1]
+        if e == s:
+            continue
+        seq = torch.cat((windows[r], x[s:e].t().to(windows.dtype)), dim=1)  # [C, K-1+L]
+        out[s:e] = F.silu(_depthwise(seq.to(weight.dtype), weight)).t().to(x.dtype)
+        rows = [t for t in range(e - s) if write_host[s + t] >= 0]
+        if rows:  # window after row t = columns [t+1, t+K) of seq
+            after = seq.unfold(1, width, 1)[:, 1:]  # [C, L, K-1]
+            keep_windows.append(after[:, rows].transpose(0, 1))
+            keep_slots += [write_host[s + t] for t in rows]
+    if keep_slots:
+        conv_pool.index_copy_(0, torch.tensor(keep_slots, device=conv_pool.device),
+                              torch.cat(keep_windows).to(conv_pool.dtype))
+    return out
+
+
+def per_token_sequences(cu_seqlens: Sequence[int], write: Sequence[int]) -> list[bool]:
+    """Which sequences run the per-token recurrence: those that keep a state before their
+    last row (verification) and single-row ones (decode, so that a decode step and a
+    verify block compute a token's state the same way); the rest (prefill) run chunked."""
+    out = []
+    for s, e in zip(cu_seqlens, cu_seqlens[1:]):
+        out.append(e - s == 1 or any(w >= 0 for w in write[s:e - 1]))
+    return out
+
+
+def _rows(cu: list[int], seqs: list[int], device) -> tuple[Tensor, list[int]]:
+    """Row indices of sequences `seqs` (in order) and their cu_seqlens within that sub-batch."""
+    idx, sub_cu = [], [0]
+    for r in seqs:
+        idx += range(cu[r], cu[r + 1])
+        sub_cu.append(len(idx))
+    return torch.tensor(idx, dtype=torch.long, device=device), sub_cu
+
+
+def gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Sequence[int], state_pool: Tensor,
+    read: Tensor, write: Tensor, write_host: Sequence[int], per_token: Sequence[bool], chunk_size: int = 64,
+) -> Tensor:
+    """The delta rule of a flat batch over a state pool [S, H_v, d_k, d_v], q/k l2-normed.
+    Sequences flagged in `per_token` (see `per_token_sequences`) run the recurrent form and
+    keep every state `write` asks for; the others run chunked and keep their final state
+    at their last row's write slot. Returns o [T, H_v, d_v]."""
+    cu = list(cu_seqlens)
+    out = torch.empty_like(v)
+    groups = ([r for r, p in enumerate(per_token) if p], [r for r, p in enumerate(per_token) if not p])
+    for recurrent, seqs in zip((True, False), groups):
+        if not seqs:
+            continue
+        whole = len(seqs) == len(per_token)
+        idx, sub_cu = (None, cu) if whole else _rows(cu, seqs, v.device)
+
+        def pick(x: Tensor, idx: Tensor | None = idx) -> Tensor:
+            return x if idx is None else x.index_select(0, idx)
+
+        seq_ids = torch.tensor(seqs, dtype=torch.long, device=read.device)
+        sub_read = read if whole else read.index_select(0, seq_ids)
+        if recurrent:
+            o = recurrent_gated_delta_rule(pick(q), pick(k), pick(v), pick(g), pick(beta), sub_cu, state_pool,
+                                           sub_read, pick(write), use_qk_l2norm=True)
+        else:
+            o, final = chunk_gated_delta_rule(pick(q), pick(k), pick(v), pick(g), pick(beta), sub_cu,
+                                              read_slots(state_pool, sub_read), use_qk_l2norm=True,
+                                              chunk_size=chunk_size)
+            last = [write_host[cu[r + 1] - 1] if cu[r + 1] > cu[r] else -1 for r in seqs]
+            keep = [i for i, slot in enumerate(last) if slot >= 0]
+            if keep:
+                state_pool.index_copy_(0, torch.tensor([last[i] for i in keep], device=state_pool.device),
+                                       final[keep].to(state_pool.dtype))
+        if idx is None:
+            out = o
+        else:
+            out.index_copy_(0, idx, o)
+    return out
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm(x) * weight * silu(gate) over the last dim: the GDN output norm (norm, then
+    gate), with transformers' casts (float32 statistics and gate, weight in x's dtype)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.float())).to(dtype)
