@@ -12,7 +12,7 @@ the exact mode they must; on the GPU near-tie flips are possible, and are counte
 
     python bench/eval_draft.py --draft DRAFT_DIR [--target DIR] [--sets humaneval,chat]
         [--concurrency 1,8,32] [--max-tokens 256] [--limit N] [--device auto] [--batch-invariant]
-        [--max-model-len 2048]
+        [--max-model-len 2048] [--draft-lengths adaptive,15,7,3]
         [--json out.json]
 """
 from __future__ import annotations
@@ -102,19 +102,20 @@ def humaneval_prompts() -> list[str]:
 
 
 def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str, batch_invariant: bool,
-        max_model_len: int, gpu_memory_utilization: float, num_speculative_tokens: int | None = None,
+        max_model_len: int, gpu_memory_utilization: float, draft_length: str | None = None,
         cpu_weights: str = "auto"):
     from dflash_engine import LLM, SamplingParams
 
     spec = None
     if draft:
-        spec = {"method": "dflash", "model": draft}
-        if num_speculative_tokens is not None:
-            spec["num_speculative_tokens"] = num_speculative_tokens
+        spec = {"method": "dflash", "model": draft}  # draft_length None: the engine's default (adaptive)
+        if draft_length not in (None, "adaptive"):
+            spec["num_speculative_tokens"] = int(draft_length)
     llm = LLM(model=target, speculative_config=spec, max_num_seqs=c, device=device,
               batch_invariant=batch_invariant, max_model_len=max_model_len,
               gpu_memory_utilization=gpu_memory_utilization, cpu_weights=cpu_weights)
-    k = llm.engine.runner.num_speculative_tokens
+    rc = llm.engine.runtime_config
+    k = rc.num_speculative_tokens if rc.draft_len_policy != "adaptive" else f"a{rc.num_speculative_tokens}"
     convs = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -128,7 +129,8 @@ def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str,
     tokens = [o.outputs[0].token_ids for o in outs]
     n = sum(len(t) for t in tokens)
     del llm
-    return {"c": c, "spec": bool(draft), "k": k, "prompts": len(prompts), "output_tokens": n, "seconds": round(wall, 3),
+    chosen = {kk: v - before.spec_draft_len_counts.get(kk, 0) for kk, v in st.spec_draft_len_counts.items()}
+    return {"c": c, "spec": bool(draft), "k": k, "draft_len_counts": chosen, "prompts": len(prompts), "output_tokens": n, "seconds": round(wall, 3),
             "tok_s": round(n / wall, 2), "tau": round(1 + accepted / drafts, 3) if drafts else None,
             "drafts": drafts}, tokens
 
@@ -146,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU: exact GEMMs (spec-on output must then equal spec-off exactly)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--num-speculative-tokens", default=None,
-                    help="K, or several comma-separated (one spec-on run each against one spec-off run); "
-                         "default: the engine's (the draft's block_size - 1; fewer on the CPU)")
+    ap.add_argument("--draft-lengths", default="adaptive",
+                    help="comma-separated: 'adaptive' (the engine's default policy) and/or fixed K values; one "
+                         "spec-on run each against one spec-off run")
     ap.add_argument("--cpu-weights", default="auto", help="the engine's cpu_weights (auto, none, bf16, int4)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -168,9 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             off.update(set=name, same_as_spec_off="-")
             rows.append(off)
             print(json.dumps(off), flush=True)
-            ks = [int(k) for k in str(args.num_speculative_tokens).split(",")] if args.num_speculative_tokens else [None]
-            for k in ks:
-                on, on_tokens = run(args.target, args.draft, prompts, c, **kw, num_speculative_tokens=k)
+            for k in args.draft_lengths.split(","):
+                on, on_tokens = run(args.target, args.draft, prompts, c, **kw, draft_length=k)
                 same = sum(a == b for a, b in zip(on_tokens, off_tokens))
                 on.update(set=name, same_as_spec_off=f"{same}/{len(prompts)}")
                 on["speedup"] = round(on["tok_s"] / off["tok_s"], 3)

@@ -28,7 +28,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dflash_engine.models.layers import fast_linear
+    from dflash_engine.cpu import fast_linear
 
     rows = [torch.randn(s, dtype=dtype) for s in SHAPES]
     cols = [w.t().contiguous().t() for w in rows]

@@ -1,5 +1,6 @@
-"""The CPU GEMM modes: fast (plain F.linear, the default) and exact (batch-invariant, behind
-VLLM_BATCH_INVARIANT / DFLASH_BATCH_INVARIANT / --batch-invariant / batch_invariant=True).
+"""The CPU GEMM modes: fast (plain GEMMs and the CPU backend, the default) and exact
+(batch-invariant, behind VLLM_BATCH_INVARIANT / DFLASH_BATCH_INVARIANT / --batch-invariant /
+batch_invariant=True). The fast mode's own tests: tests/test_fast_cpu_mode.py.
 
 tests/conftest.py turns the exact mode on for the whole suite; these tests undo that where
 they check the default."""
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash_engine import LLM, SamplingParams
+
+from dflash_engine import LLM, SamplingParams, envs
+from dflash_engine.cli_args import add_serve_args, engine_kwargs
 from dflash_engine.config import EngineConfig
 from dflash_engine.models import load_target
-from dflash_engine.models.layers import Linear, batch_invariant_from_env, invariant_linear, linear
-from dflash_engine.server.cli_args import add_serve_args, engine_kwargs
+from dflash_engine.models.layers import Linear
+from dflash_engine.ops.linear import invariant_linear, linear
 
 ENV_VARS = ("VLLM_BATCH_INVARIANT", "DFLASH_BATCH_INVARIANT")
 
@@ -28,19 +31,26 @@ def _modes(model) -> set[bool]:
     return flags | {model.batch_invariant}  # the logits GEMM
 
 
-def test_fast_mode_is_the_default(no_env):
-    assert batch_invariant_from_env() is False
-    assert EngineConfig().batch_invariant is False
+def _resolved(model_dir, **kw) -> bool:
+    """The exact-mode flag an engine runs with (runtime_config.resolve decides it once)."""
+    from dflash_engine.runtime_config import resolve
+
+    return resolve(EngineConfig(model=str(model_dir), device="cpu", **kw)).batch_invariant
+
+
+def test_fast_mode_is_the_default(no_env, qwen3_dir):
+    assert envs.batch_invariant() is False
+    assert _resolved(qwen3_dir) is False
 
 
 @pytest.mark.parametrize("var", ENV_VARS)
 @pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("0", False), ("", False)])
-def test_env_vars_switch_the_exact_mode(no_env, var, value, expected):
+def test_env_vars_switch_the_exact_mode(no_env, qwen3_dir, var, value, expected):
     no_env.setenv(var, value)
-    assert batch_invariant_from_env() is expected
-    assert EngineConfig().batch_invariant is expected
+    assert envs.batch_invariant() is expected
+    assert _resolved(qwen3_dir) is expected
     # an explicit setting wins over the environment
-    assert EngineConfig(batch_invariant=not expected).batch_invariant is (not expected)
+    assert _resolved(qwen3_dir, batch_invariant=not expected) is (not expected)
 
 
 def test_cli_flag():
@@ -59,12 +69,12 @@ def test_cli_flag():
 def test_mode_is_per_model_and_per_engine(no_env, qwen3_dir):
     fast = LLM(model=str(qwen3_dir), device="cpu")
     exact = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=True)  # same process
-    assert _modes(fast.engine.runner.target) == {False}
-    assert _modes(exact.engine.runner.target) == {True}
+    assert _modes(fast.engine.runner.models.target) == {False}
+    assert _modes(exact.engine.runner.models.target) == {True}
     no_env.setenv("VLLM_BATCH_INVARIANT", "1")
     assert _modes(load_target(qwen3_dir)) == {True}
     assert _modes(load_target(qwen3_dir, batch_invariant=False)) == {False}
-    assert _modes(fast.engine.runner.target) == {False}  # read at load, not at every call
+    assert _modes(fast.engine.runner.models.target) == {False}  # read at load, not at every call
 
 
 def test_linear_modes_agree_numerically():
@@ -93,9 +103,10 @@ def test_fast_mode_gives_the_exact_modes_greedy_tokens_alone(no_env, request, mo
         b = exact.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
         assert a == b
     ids = torch.tensor(prompts[2]["prompt_token_ids"])
-    h = exact.engine.runner.target.model.embed_tokens(ids)
-    torch.testing.assert_close(fast.engine.runner.target.compute_logits(h),
-                               exact.engine.runner.target.compute_logits(h), rtol=1e-5, atol=1e-5)
+    fast_target, exact_target = fast.engine.runner.models.target, exact.engine.runner.models.target
+    assert fast_target.backend is not None and exact_target.backend is None  # the CPU backend, float32 GEMMs
+    h = exact_target.model.embed_tokens(ids)
+    torch.testing.assert_close(fast_target.compute_logits(h), exact_target.compute_logits(h), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -104,6 +115,7 @@ def test_fast_attention_matches_the_reference(causal):
     earlier context, a verify block, a decode row and an idle request, scattered and
     consecutive pages, GQA."""
     from attention_meta import meta_for_batch
+
     from dflash_engine.ops.attention import paged_attention, paged_attention_sdpa
 
     gen = torch.Generator().manual_seed(0)
@@ -117,24 +129,3 @@ def test_fast_attention_matches_the_reference(causal):
     one, _ = meta_for_batch([3], [10], [tables[1]], page, causal)  # a single request: no copy out
     torch.testing.assert_close(paged_attention_sdpa(q[9:12], k_cache, v_cache, one, 0.25),
                                paged_attention(q[9:12], k_cache, v_cache, one, 0.25), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 7])
-def test_fast_linear_splits_a_column_major_weight_across_threads(rows):
-    """fast_linear on a column-major weight (the fast mode's layout): a few rows run as one
-    slab per thread; the result is F.linear's, numerically (any thread count)."""
-    from dflash_engine.models.layers import fast_linear
-
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(1024, 96, generator=gen)
-    col_major = w.t().contiguous().t()
-    x, b = torch.randn(rows, 96, generator=gen), torch.randn(1024, generator=gen)
-    saved = torch.get_num_threads()
-    try:
-        for threads in (1, 2, 4):
-            torch.set_num_threads(threads)
-            for weight in (w, col_major, col_major[256:768]):  # row-major falls back; a row slice (project_kv)
-                ref = x @ weight.t() + b[: weight.shape[0]]
-                torch.testing.assert_close(fast_linear(x, weight, b[: weight.shape[0]]), ref, rtol=1e-5, atol=1e-4)
-    finally:
-        torch.set_num_threads(saved)

@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def test_serve_starts_reports_the_pool_and_answers(qwen3_dir, random_draft_dir):
     port = _free_port()
-    spec = json.dumps({"method": "dflash", "model": str(random_draft_dir)})
+    spec = json.dumps({"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed"})
     proc = subprocess.Popen(
         CLI + ["serve", str(qwen3_dir), "--port", str(port), "--device", "cpu", "--max-model-len", "128",
                "--speculative-config", spec, "--served-model-name", "tiny"],

@@ -1,5 +1,6 @@
-"""The fast CPU mode's packed GEMM weights (models/cpu_weights.py): bf16 everywhere, int4 where a
-weight lies on a 4-bit grid (the embedded GGUF's Q4_1 layers); never in the exact mode.
+"""The fast CPU backend's GEMM weights (python/dflash_engine/cpu/: weights.py, logits.py): bf16
+everywhere, int4 where a weight lies on a 4-bit grid (the embedded GGUF's Q4_1 layers); never in
+the exact mode. The backend's layer loop and spec-on vs spec-off: tests/test_fast_cpu_mode.py.
 
 tests/conftest.py turns the exact mode on for the suite, so the engines here ask for the fast
 mode explicitly (batch_invariant=False)."""
@@ -9,12 +10,12 @@ import importlib.util
 
 import pytest
 import torch
+
 from dflash_engine import LLM, SamplingParams
 from dflash_engine.config import EngineConfig
+from dflash_engine.cpu import install, resolve_format
+from dflash_engine.cpu.weights import INT4_MAX_ROWS, PackedWeight, fast_linear, int4_available, int4_grid
 from dflash_engine.models import load_target
-from dflash_engine.models.cpu_weights import (
-    INT4_MAX_ROWS, PackedWeight, int4_available, int4_grid, pack_cpu_weights, resolve_cpu_weights,
-)
 from dflash_engine.models.layers import Linear, set_batch_invariant
 
 needs_int4 = pytest.mark.skipif(not int4_available(), reason="this torch has no CPU int4 GEMM")
@@ -71,7 +72,7 @@ def test_packed_weight_matches_the_float32_gemm(rows):
 def test_packed_logits_refine_the_top_rows_in_float32():
     """bf16 logits tie where float32 ones differ by less than a bf16 step (0.125 at 25): the
     refined top entries are the float32 values, so greedy picks float32's token."""
-    from dflash_engine.models.cpu_weights import REFINE_TOP, packed_logits
+    from dflash_engine.cpu.logits import REFINE_TOP, packed_logits
 
     weight = torch.zeros(64, 32)
     weight[3, 0], weight[5, 0] = 25.24, 25.30  # both 25.25 in bf16
@@ -89,46 +90,58 @@ def test_packed_logits_refine_the_top_rows_in_float32():
     torch.testing.assert_close(fine, ref, rtol=1e-2, atol=0.1)  # the rest: bf16's
 
 
-def test_resolve_cpu_weights():
+def test_resolve_format():
     f32, b16 = torch.float32, torch.bfloat16
     # auto: int4 for a GGUF model at dtype auto; bf16 for a bf16 model; none otherwise
-    assert resolve_cpu_weights("auto", CPU, False, "auto", f32, True) == "int4"
-    assert resolve_cpu_weights("auto", CPU, False, "float32", f32, True) == "none"  # float32 asked for
-    assert resolve_cpu_weights("auto", CPU, False, "auto", f32, False) == "none"  # an HF float32 model
-    assert resolve_cpu_weights("auto", CPU, False, "auto", b16, False) == "bf16"
-    assert resolve_cpu_weights("bf16", CPU, False, "float32", f32, False) == "bf16"
+    assert resolve_format("auto", CPU, False, "auto", f32, True) == "int4"
+    assert resolve_format("auto", CPU, False, "float32", f32, True) == "none"  # float32 asked for
+    assert resolve_format("auto", CPU, False, "auto", f32, False) == "none"  # an HF float32 model
+    assert resolve_format("auto", CPU, False, "auto", b16, False) == "bf16"
+    assert resolve_format("bf16", CPU, False, "float32", f32, False) == "bf16"
     # never in the exact mode, never off the CPU
     for fmt in ("auto", "bf16", "int4"):
-        assert resolve_cpu_weights(fmt, CPU, True, "auto", f32, True) == "none"
-        assert resolve_cpu_weights(fmt, torch.device("cuda"), False, "auto", f32, True) == "none"
+        assert resolve_format(fmt, CPU, True, "auto", f32, True) == "none"
+        assert resolve_format(fmt, torch.device("cuda"), False, "auto", f32, True) == "none"
     with pytest.raises(ValueError, match="cpu_weights"):
-        resolve_cpu_weights("int8", CPU, False, "auto", f32, True)
+        resolve_format("int8", CPU, False, "auto", f32, True)
     with pytest.raises(ValueError, match="cpu_weights"):
         EngineConfig(cpu_weights="fp8")
 
 
-def _packed_linears(model) -> list:
-    return [m.packed for m in model.modules() if isinstance(m, Linear)]
+def engine_models(llm):
+    """(target, draft) of an engine (the worker's StepModels)."""
+    models = llm.engine.runner.models
+    return models.target, models.draft
+
+
+def engine_format(llm) -> str:
+    return llm.engine.runner.rc.cpu_weights
+
+
+def formats(model) -> list[str] | None:
+    """The format of every GEMM weight the model's CPU backend runs (None: no backend)."""
+    return None if model.backend is None else [g.format for g in model.backend.gemms()]
 
 
 @needs_int4
-def test_pack_then_exact_mode_drops_the_packed_copies(qwen3_dir):
-    """Packing leaves the float32 parameters as they were; the exact mode computes from them
-    alone, bit for bit as a never-packed model."""
+def test_install_then_exact_mode_drops_the_backend(qwen3_dir):
+    """Installing leaves the float32 parameters as they were; the exact mode computes from them
+    alone, bit for bit as a never-installed model."""
     ref = load_target(qwen3_dir, batch_invariant=True)
     t = load_target(qwen3_dir, batch_invariant=False)
     with torch.no_grad():  # put every GEMM weight on a Q4_1 grid (the tiny model's are random)
         for m in list(t.modules()) + list(ref.modules()):
             if isinstance(m, Linear) and m.weight.shape[1] % 32 == 0:
                 m.weight.copy_(q4_weight(*m.weight.shape))
-    counts = pack_cpu_weights(t, "int4")
-    assert t.lm_head is not None and t.logits_packed is t.lm_head.packed  # untied: the logits GEMM is lm_head's
-    assert counts["int4"] >= 8 and sum(counts.values()) == len(_packed_linears(t))
-    assert all(p is not None for p in _packed_linears(t)) and t.logits_packed is not None
+    assert install(t, None, "int4") and install(ref, None, "int4") == []  # the exact mode: nothing installed
+    assert ref.backend is None and t.backend is not None
+    fmts = formats(t)
+    assert len(fmts) == sum(isinstance(m, Linear) for m in t.modules())  # untied: the logits GEMM is lm_head's
+    assert fmts.count("int4") >= 8 and set(fmts) <= {"int4", "bf16"}
     h = torch.randn(5, t.config.hidden_size)
     torch.testing.assert_close(t.compute_logits(h), ref.compute_logits(h), rtol=0.05, atol=0.05)
     set_batch_invariant(t, True)
-    assert all(p is None for p in _packed_linears(t)) and t.logits_packed is None
+    assert t.backend is None
     assert torch.equal(t.compute_logits(h), ref.compute_logits(h))
     assert all(torch.equal(a, b) for a, b in zip(t.state_dict().values(), ref.state_dict().values()))
 
@@ -138,12 +151,11 @@ def test_engine_packs_only_in_the_fast_mode(qwen3_dir, random_draft_dir):
     fast = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False, cpu_weights="bf16", speculative_config=spec)
     exact = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=True, cpu_weights="bf16")
     plain = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False)  # auto: an HF float32 model stays float32
-    assert fast.engine.runner.cpu_weights == "bf16"
-    assert all(p is not None for p in _packed_linears(fast.engine.runner.target))
-    assert all(p is not None for p in _packed_linears(fast.engine.runner.draft))
-    for llm in (exact, plain):
-        assert llm.engine.runner.cpu_weights == "none"
-        assert all(p is None for p in _packed_linears(llm.engine.runner.target))
+    assert engine_format(fast) == "bf16"
+    assert [set(formats(m)) for m in engine_models(fast)] == [{"bf16"}, {"bf16"}]
+    assert engine_format(exact) == engine_format(plain) == "none"
+    assert engine_models(exact)[0].backend is None  # the exact mode: the reference path
+    assert set(formats(engine_models(plain)[0])) == {"none"}  # the fast layer loop over float32 weights
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 256 for j in range(4 + i)]} for i in range(3)]
     outs = fast.generate(prompts, params, use_tqdm=False)
@@ -157,15 +169,15 @@ def test_fast_cpu_mode_verifies_fewer_drafts_of_the_full_block(tmp_path, qwen3_d
     step still drafts the whole 8-row block (draft_block.py)."""
     from tiny_models import make_tiny_dflash_draft
 
-    from dflash_engine.model_runner import CPU_NUM_SPECULATIVE_TOKENS
+    from dflash_engine.runtime_config import CPU_NUM_SPECULATIVE_TOKENS
 
     draft = str(make_tiny_dflash_draft(tmp_path, qwen3_dir, num_layers=1, block_size=8, target_layer_ids=[1, 2]))
 
     def k(batch_invariant, **spec):
         llm = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=batch_invariant,
                   speculative_config={"method": "dflash", "model": draft, **spec})
-        r = llm.engine.runner
-        return r.num_speculative_tokens, r.draft_rows, llm.engine.scheduler.block_rows
+        rc = llm.engine.runner.rc
+        return rc.num_speculative_tokens, rc.draft_rows, llm.engine.scheduler.block_rows
 
     assert CPU_NUM_SPECULATIVE_TOKENS == 3
     assert k(False) == (3, 8, 4)
@@ -178,7 +190,7 @@ def test_cli_flag():
     import argparse
 
     from dflash_engine.cli import build_parser
-    from dflash_engine.server.cli_args import add_serve_args, engine_kwargs
+    from dflash_engine.cli_args import add_serve_args, engine_kwargs
 
     parse = add_serve_args(argparse.ArgumentParser()).parse_args
     assert "cpu_weights" not in engine_kwargs(parse([]))
@@ -193,16 +205,15 @@ def test_embedded_model_gets_int4_layers_in_the_fast_mode():
     int4 form; the Q8_0 embedding (the tied logits weight) gets bf16. dtype="float32" or the
     exact mode keep float32."""
     llm = LLM(model=None, device="cpu", batch_invariant=False, max_model_len=256, speculative_config=None)
-    target = llm.engine.runner.target
-    assert llm.engine.runner.cpu_weights == "int4"
-    formats = [p.format for p in _packed_linears(target)]
-    assert formats == ["int4"] * 120 and target.logits_packed.format == "bf16"
+    target, _ = engine_models(llm)
+    assert engine_format(llm) == "int4"
+    assert formats(target) == ["int4"] * 120 + ["bf16"]  # the layers, then the tied logits weight
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     f32 = LLM(model=None, device="cpu", batch_invariant=False, max_model_len=256, speculative_config=None,
               dtype="float32")
-    assert f32.engine.runner.cpu_weights == "none"
+    assert engine_format(f32) == "none"
 
 
 # ---- the CPU spec step (docs/perf.md, "CPU spec step"): the draft's rounded int4 GEMMs, its
@@ -210,7 +221,7 @@ def test_embedded_model_gets_int4_layers_in_the_fast_mode():
 
 @needs_int4
 def test_int4_round_packs_any_weight_within_half_a_step():
-    from dflash_engine.models.cpu_weights import int4_round
+    from dflash_engine.cpu.weights import int4_round
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=gen)
@@ -231,49 +242,49 @@ def test_int4_round_packs_any_weight_within_half_a_step():
     assert rel_err(rounded(torch.ones(37, 128)), torch.ones(37, 128) @ w.t()) < 1e-2  # > 6 rows: bf16
 
 
-def _tiny_draft(tmp_path, qwen3_dir, fmt, rounded=False):
+def _installed(tmp_path, qwen3_dir, fmt):
+    """A tiny target and 2-layer draft in the fast mode, the CPU backend installed ("off": not)."""
     from tiny_models import make_tiny_dflash_draft
 
     from dflash_engine.models import load_draft
 
-    target_cfg = load_target(qwen3_dir).config
+    target = load_target(qwen3_dir, batch_invariant=False)
     path = tmp_path / "draft"
     if not path.exists():
         make_tiny_dflash_draft(path, qwen3_dir, num_layers=2, block_size=4, target_layer_ids=[1, 2])
-    draft = load_draft(path, target_cfg, batch_invariant=False)
-    if fmt != "none":
-        pack_cpu_weights(draft, fmt, rounded=rounded)
-    return target_cfg, draft
+    draft = load_draft(path, target.config, batch_invariant=False)
+    if fmt != "off":
+        install(target, draft, fmt)
+    return target, draft
 
 
-@pytest.mark.parametrize("fmt", ["bf16", pytest.param("int4", marks=needs_int4)])
-def test_packed_draft_writes_its_context_in_one_gemm(tmp_path, qwen3_dir, fmt):
-    """The packed draft's context write: every layer's k, v rows in one GEMM, the k_norms and
-    RoPE over all layers at once; the same K/V as the per-layer loop of the unpacked draft (to
-    the bf16 GEMM's rounding, or the rounded int4 weights')."""
+@pytest.mark.parametrize("fmt", ["none", "bf16", pytest.param("int4", marks=needs_int4)])
+def test_installed_draft_writes_its_context_in_one_gemm(tmp_path, qwen3_dir, fmt):
+    """The backend's context write: every layer's k, v rows in one GEMM (one per layer unpacked),
+    the k_norms and RoPE over all layers at once; the same K/V as the reference per-layer loop (to
+    float32 rounding, the bf16 GEMM's, or the rounded int4 weights')."""
     from attention_meta import meta_for_batch
 
-    from dflash_engine.kv_cache import KVCache
+    from dflash_engine.worker.kv_cache import KVCache
 
-    target_cfg, ref = _tiny_draft(tmp_path, qwen3_dir, "none")
-    _, packed = _tiny_draft(tmp_path, qwen3_dir, fmt, rounded=fmt == "int4")
-    assert packed.ctx_kv_packed is not None and packed.ctx_kv_packed.format == fmt
-    assert all(layer.self_attn.kv_packed is None for layer in packed.layers)  # the stacked weight instead
-    h = target_cfg.hidden_size
+    target, ref = _installed(tmp_path, qwen3_dir, "off")
+    _, fast = _installed(tmp_path, qwen3_dir, fmt)
+    assert ref.backend is None and fast.backend.context.kv.format == fmt
+    h = target.config.hidden_size
     taps = torch.randn(6, 2 * h, generator=torch.Generator().manual_seed(1))
     meta, positions = meta_for_batch([6], [9], [[3, 1, 2]], 4, True)  # context rows at positions 3..8
     caches = []
-    for draft in (ref, packed):
-        kv = KVCache.allocate(target_cfg, draft.config, 4, 4, torch.float32)
+    for draft in (ref, fast):
+        kv = KVCache.allocate(target.config, draft.config, 4, 4, torch.float32)
         with torch.no_grad():
             draft.write_context(taps, positions, meta.slot_mapping, kv)
         caches.append(kv.draft)
-    tol = 0.05 if fmt == "bf16" else 0.3
+    tol = {"none": 1e-5, "bf16": 0.05, "int4": 0.3}[fmt]
     for (k_ref, v_ref), (k, v) in zip(*caches):
         assert rel_err(k, k_ref) < tol and rel_err(v, v_ref) < tol
         assert k.count_nonzero() == k_ref.count_nonzero() > 0  # the same slots written, no others
-    set_batch_invariant(packed, True)  # the exact mode: no stacked weight, the reference loop
-    assert packed.ctx_kv_packed is None
+    set_batch_invariant(fast, True)  # the exact mode: the reference loop
+    assert fast.backend is None
 
 
 @needs_int4
@@ -284,53 +295,46 @@ def test_int4_engine_drafts_through_rounded_int4(qwen3_dir, random_draft_dir):
     INT4_MAX_ROWS rows)."""
     spec = {"method": "dflash", "model": str(random_draft_dir)}
     llm = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False, cpu_weights="int4", speculative_config=spec)
-    r = llm.engine.runner
-    assert {p.format for p in _packed_linears(r.draft)} == {"int4"}
-    assert r.target.proposal_packed is not None and r.target.proposal_packed.int4_only
-    assert r.draft.ctx_kv_packed.format == "int4"
-    h = torch.randn(3, r.target.config.hidden_size)
-    assert r.target.config.vocab_size % 16 and r.target.proposal_packed.shape[0] % 16 == 0  # padded
-    assert torch.equal(r.target.propose(h), r.target.proposal_packed(h)[:, :r.target.config.vocab_size].argmax(-1))
-    many = torch.randn(INT4_MAX_ROWS + 1, r.target.config.hidden_size)  # past the int4 rows: the bf16 logits
-    assert torch.equal(r.target.propose(many), r.target.compute_logits(many, refine=False).argmax(-1))
+    target, draft = engine_models(llm)
+    assert set(formats(draft)) == {"int4"} and set(formats(target)) == {"bf16"}
+    proposals, vocab = target.backend.proposals, target.config.vocab_size
+    assert proposals is not None and proposals.int4_only
+    h = torch.randn(3, target.config.hidden_size)
+    assert vocab % 16 and proposals.shape[0] % 16 == 0  # padded
+    assert torch.equal(target.propose(h), proposals(h)[:, :vocab].argmax(-1))
+    many = torch.randn(INT4_MAX_ROWS + 1, target.config.hidden_size)  # past the int4 rows: the bf16 logits
+    assert torch.equal(target.propose(many), target.backend.compute_logits(many, refine=False).argmax(-1))
     bf16 = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False, cpu_weights="bf16", speculative_config=spec)
-    assert bf16.engine.runner.target.proposal_packed is None
-    assert {p.format for p in _packed_linears(bf16.engine.runner.draft)} == {"bf16"}
+    b_target, b_draft = engine_models(bf16)
+    assert b_target.backend.proposals is None and set(formats(b_draft)) == {"bf16"}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": [3, 1, 4, 1, 5]}], params, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 12 and llm.stats().spec_num_drafts > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_fast_layer_path_matches_the_reference_layers(family, qwen3_dir, llama_tied_dir):
-    """DecoderLayer._forward_fast_cpu (fused q/k norm, RoPE by roll and addcmul, module lookups
-    cached) gives the reference layers' hidden states and taps, numerically: a prefill then a
-    verify block, with (qwen3) and without (llama) q/k norms."""
-    from attention_meta import meta_for_batch
-
-    from dflash_engine.kv_cache import KVCache
-
-    path = qwen3_dir if family == "qwen3" else llama_tied_dir
-    fast, ref = load_target(path, batch_invariant=False), load_target(path, batch_invariant=True)
-    assert fast.model.layers[0].fast_cpu(torch.zeros(1)) and not ref.model.layers[0].fast_cpu(torch.zeros(1))
-    outs = []
-    for model in (fast, ref):
-        kv = KVCache.allocate(model.config, None, 8, 4, torch.float32)
-        got = []
-        with torch.no_grad():
-            for q_len, seq_len in ((7, 7), (4, 11)):
-                meta, positions = meta_for_batch([q_len], [seq_len], [[5, 2, 7]], 4, True)
-                ids = torch.arange(seq_len - q_len, seq_len) * 7 % model.config.vocab_size
-                got += list(model(ids, positions, meta, kv, [0, 1]))
-        outs.append(got)
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_fast_linear_splits_a_column_major_weight_across_threads(rows):
+    """fast_linear on a column-major weight (format "none"'s layout): a few rows run as one slab
+    per thread; the result is F.linear's, numerically (any thread count)."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1024, 96, generator=gen)
+    col_major = w.t().contiguous().t()
+    x, b = torch.randn(rows, 96, generator=gen), torch.randn(1024, generator=gen)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            for weight in (w, col_major, col_major[256:768]):  # row-major falls back; a row slice (the k, v rows)
+                ref = x @ weight.t() + b[: weight.shape[0]]
+                torch.testing.assert_close(fast_linear(x, weight, b[: weight.shape[0]]), ref, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_row_topk_and_row_argmax_match_torch():
     """The blocked scans (packed_logits' refine, greedy sampling, proposals): argmax exactly,
     ties to the first index and NaN as torch has them; topk the same set of indices."""
-    from dflash_engine.models.cpu_weights import row_argmax, row_topk
+    from dflash_engine.cpu.logits import row_argmax, row_topk
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 4096, generator=gen)

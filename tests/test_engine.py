@@ -23,7 +23,7 @@ def tokens(outs) -> list[list[int]]:
 
 
 def spec(draft_dir, n=None) -> dict:
-    cfg = {"method": "dflash", "model": str(draft_dir)}
+    cfg = {"method": "dflash", "model": str(draft_dir), "draft_length": "fixed" if n is None else n}
     if n is not None:
         cfg["num_speculative_tokens"] = n
     return cfg

@@ -27,7 +27,7 @@ def tokens(outs) -> list[list[int]]:
 
 
 def spec(draft_dir) -> dict:
-    return {"method": "dflash", "model": str(draft_dir)}
+    return {"method": "dflash", "model": str(draft_dir), "draft_length": "fixed"}
 
 
 def test_batch_buckets():

@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 
 def spec(draft_dir) -> dict:
-    return {"method": "dflash", "model": str(draft_dir)}
+    return {"method": "dflash", "model": str(draft_dir), "draft_length": "fixed"}
 
 
 def engine(qwen3_dir, **kw) -> LLMEngine:

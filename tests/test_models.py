@@ -298,16 +298,16 @@ def test_draft_config_formats():
         DraftConfig.from_dict(draft_dict())
 
 
-def test_draft_refuses_sliding_window_layers(qwen3_dir, tmp_path):
+def test_draft_sliding_window_layers(qwen3_dir, tmp_path):
+    """Sliding layers need a window (tests/test_sliding_window_draft.py covers the rest)."""
     with pytest.raises(ValueError, match="sliding_attention"):
         layer_types = ["full_attention"] * 4 + ["sliding_attention"]
         DraftConfig.from_dict(draft_dict(block_size=16, layer_types=layer_types))
     draft_dir = make_tiny_dflash_draft(tmp_path, qwen3_dir, extra_config={
         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4,
         "use_sliding_window": True})
-    target_cfg = load_target(qwen3_dir).config
-    with pytest.raises(ValueError, match="sliding"):
-        load_draft(draft_dir, target_cfg)
+    draft = load_draft(draft_dir, load_target(qwen3_dir).config)
+    assert [layer.self_attn.window for layer in draft.layers] == [4, None]
 
 
 def test_validate_draft_against_target(qwen3_dir):

@@ -30,7 +30,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine(model: str, draft: str | None = None, overlap: bool = True, **kw) -> LLMEngine:
-    spec = {"method": "dflash", "model": draft} if draft else None
+    spec = {"method": "dflash", "model": draft, "draft_length": "fixed"} if draft else None
     e = LLMEngine.from_kwargs(model=model, device="cpu", speculative_config=spec, **kw)
     e.overlap = overlap
     return e

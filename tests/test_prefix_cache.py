@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
 def spec(draft) -> dict:
-    return {"method": "dflash", "model": str(draft)}
+    return {"method": "dflash", "model": str(draft), "draft_length": "fixed"}
 
 
 def shared_prefix_workload(n: int, seed: int = 0) -> tuple[list[dict], list[dict]]:

@@ -87,7 +87,7 @@ class SlowHost:
 
 def test_engine_counts_busy_steps_and_idle_only_while_there_is_work(qwen3_dir, random_draft_dir):
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4,
-              speculative_config={"method": "dflash", "model": str(random_draft_dir)})
+              speculative_config={"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed"})
     s0 = llm.stats()
     assert (s0.step_busy_seconds, s0.step_idle_seconds, s0.num_steps) == (0.0, 0.0, 0)  # the profile is no step
     llm.engine.fault_injector = slow = SlowHost(0.02)

@@ -28,9 +28,13 @@ def draft_len_for(schedule: list[tuple[int, int]], k_max: int, num_decoding: int
 def pages_per_seq(max_model_len: int, reserve_rows: int, page_size: int) -> int:
     """Pages a request of max_model_len tokens holds at most; reserve_rows = max(B, D)."""
 
+def state_slots_per_seq(num_speculative_tokens: int) -> int:
+    """State slots a decoding request of a hybrid target holds: the committed one + one per verify row."""
+
 def profile_plan(num_tokens: int, max_num_seqs: int, block_rows: int, draft_block_rows: int, reserve_rows: int,
-                 max_model_len: int, page_size: int, mask_token_id: int) -> StepPlan:
-    """The largest eager step, over a 2-page KV cache (no ticket: it is never committed)."""
+                 max_model_len: int, page_size: int, mask_token_id: int, state_slots: bool = False) -> StepPlan:
+    """The largest eager step, over a 2-page KV cache (no ticket: it is never committed);
+    state_slots: with a hybrid target's state arrays (no state read, kept states in slot 1)."""
 
 class StepPlan:
     """One step's read-only arrays; carries the move-only ticket that `commit` spends."""
@@ -59,6 +63,10 @@ class StepPlan:
     draft_seq_lens: npt.NDArray[np.int32]
     draft_page_tables: npt.NDArray[np.int32]  # page_tables[:num_decode]
     draft_proposal_rows: npt.NDArray[np.int64]  # rows 1..B-1 of each draft block: the K proposals
+    # Hybrid targets (else empty): [R] committed state slot per request (-1: none, zeros) and
+    # [T] the slot keeping the state after each target row (-1: not kept).
+    state_read: npt.NDArray[np.int64]
+    state_write: npt.NDArray[np.int64]
     def __len__(self) -> int: ...
 
 class CommitResult:
@@ -84,6 +92,7 @@ class Scheduler:
     num_cached_pages: int  # published pages, in use or free
     page_size: int
     block_rows: int
+    state_slots_per_seq: int  # state slots a decoding request holds (0 without state slots)
     outstanding_step: int | None
     draft_len_policy: str  # "fixed", "schedule" or "adaptive"
     def __init__(
@@ -105,6 +114,9 @@ class Scheduler:
         # tokens per second once set_step_costs was called. Bad names/combinations: ValueError.
         draft_len_policy: str = "fixed",
         draft_len_candidates: list[int] = [],
+        # A hybrid target: each running request also holds recurrent-state slots, pages of the
+        # same pool (2 while prefilling, K + 2 while decoding); excludes prefix caching.
+        state_slots: bool = False,
     ) -> None: ...
     def add_request(
         self, request_id: str, prompt_token_ids: _Ints, max_tokens: int, stop_token_ids: _Ints | None = None
@@ -119,6 +131,8 @@ class Scheduler:
     def fail(self, plan: StepPlan, reason: str = "error") -> list[int]: ...
     def request_state(self, handle: int) -> tuple[str, int, list[int]]: ...
     def num_cached_tokens(self, handle: int) -> int: ...
+    def state_slots(self, handle: int) -> tuple[int, list[int]]:
+        """(committed state slot or -1, owned state slots) of a live request (hybrid targets)."""
     def set_step_costs(self, buckets: list[int], ks: list[int], seconds: list[list[float]]) -> None:
         """Measured seconds of a decode step, seconds[i][j] for a batch padded to buckets[i]
         (ascending) drafting ks[j] (ascending; 0 = plain decode); ValueError if malformed."""

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("convert", help="convert a llama GGUF into a Hugging Face directory", add_help=False)
     sub.add_parser("make-random-checkpoint", add_help=False,
-                   help="write a random-weight Qwen3 target (and DFlash draft) in the Hugging Face format")
+                   help="write a random-weight Qwen3 / Qwen3.5 target (and DFlash draft) in the Hugging Face format")
     sub.add_parser("train-draft", add_help=False,
                    help="train a DFlash draft for a target (data written by the target itself)")
     bench = sub.add_parser("bench", help="benchmarks")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_draft_main(argv[1:])
     if argv and argv[0] == "make-random-checkpoint":  # dispatched early: needs no server packages
-        from .random_checkpoint import main as random_checkpoint_main
+        from .random_hybrid import main as random_checkpoint_main  # Qwen3 and Qwen3.5 shapes
 
         return random_checkpoint_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -11,7 +11,26 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method",
-              "synthetic_acceptance_length", "synthetic_acceptance_rates", "num_speculative_tokens_schedule"}
+              "synthetic_acceptance_length", "synthetic_acceptance_rates", "num_speculative_tokens_schedule",
+              "draft_length"}
+
+
+def _parse_draft_length(value: Any, k: int | None, schedule: Any) -> str | int:
+    """"adaptive" (each step's K chosen from live acceptance and measured step cost, up to
+    num_speculative_tokens), "fixed" (always num_speculative_tokens), or an int K (fixed at K).
+    Unset: adaptive, unless num_speculative_tokens or a schedule is given (then what they say,
+    as in vLLM)."""
+    if value is None:
+        return "fixed" if k is not None or schedule else "adaptive"
+    if isinstance(value, bool) or not (value in ("adaptive", "fixed") or (isinstance(value, int) and value >= 0)):
+        raise ValueError(f"speculative_config.draft_length must be 'adaptive', 'fixed' or a non-negative integer, "
+                         f"got {value!r}")
+    if isinstance(value, int) and k is not None and value != k:
+        raise ValueError(f"speculative_config.draft_length ({value}) and num_speculative_tokens ({k}) disagree")
+    if value == "adaptive" and schedule:
+        raise ValueError("speculative_config: draft_length 'adaptive' and num_speculative_tokens_schedule are "
+                         "two draft-length policies; give one")
+    return value
 
 
 def _parse_schedule(value: Any) -> list[tuple[int, int]] | None:
@@ -70,6 +89,9 @@ class SpeculativeConfig:
     # Shorter draft blocks as the batch grows (verify work is batch x block rows):
     # [[max_decoding_requests, k], ...]; off (always num_speculative_tokens) unless given.
     num_speculative_tokens_schedule: list[tuple[int, int]] | None = None
+    # "adaptive": each step verifies the K (0 included) that maximises expected committed
+    # tokens per second (live acceptance x measured step cost); "fixed": num_speculative_tokens.
+    draft_length: str = "adaptive"
 
     @property
     def synthetic(self) -> bool:
@@ -127,7 +149,14 @@ class SpeculativeConfig:
         if schedule and n is not None and max(k for _, k in schedule) > n:
             raise ValueError(f"num_speculative_tokens_schedule {schedule}: every k must be <= "
                              f"num_speculative_tokens ({n})")
-        return cls(model=str(value["model"]), method=method, num_speculative_tokens=n,
+        draft_length = _parse_draft_length(value.get("draft_length"), n, value.get("num_speculative_tokens_schedule"))
+        if isinstance(draft_length, int):
+            n, draft_length = draft_length, "fixed"
+        if n == 0:
+            raise ValueError("a draft length of 0 is speculation off: use speculative_config 'none'")
+        if draft_length == "adaptive" and rsm == "synthetic" and n is None:
+            draft_length = "fixed"  # benchmark runs measure one K unless asked otherwise
+        return cls(model=str(value["model"]), method=method, num_speculative_tokens=n, draft_length=draft_length,
                    rejection_sample_method=rsm, synthetic_acceptance_length=length,
                    synthetic_acceptance_rates=rates, num_speculative_tokens_schedule=schedule)
 

@@ -43,6 +43,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # Steps with decoding requests, by the K they verified (0: no draft pass); the draft-length
+    # policy's choices.
+    spec_draft_len_counts: dict[int, int] = field(default_factory=dict)
     # Prefix cache, in tokens: looked up at admission, and of those served from the cache.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -90,8 +93,20 @@ class LLMEngine:
             mask_token_id=rc.mask_token_id,
             enable_prefix_caching=rc.enable_prefix_caching,
             draft_len_schedule=list(rc.draft_len_schedule),
+            draft_len_policy="adaptive" if rc.draft_len_policy == "adaptive" else "fixed",
+            draft_len_candidates=list(rc.draft_len_candidates),
             draft_block_rows=rc.draft_rows,
+            state_slots=rc.hybrid,  # a hybrid target's recurrent-state slots: pages of the same pool
         )
+        if self.runner.step_costs is not None:  # the adaptive policy's cost model, measured at startup
+            c = self.runner.step_costs
+            self.scheduler.set_step_costs(c.buckets, c.ks, c.seconds)
+        if rc.draft_config is not None:
+            logger.info("draft length: %s", {
+                "fixed": f"fixed, K = {rc.num_speculative_tokens}",
+                "schedule": f"schedule {list(rc.draft_len_schedule)}",
+                "adaptive": f"adaptive, K in {list(rc.draft_len_candidates)} chosen each step from measured "
+                            "acceptance and step cost"}[rc.draft_len_policy])
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.eos_token_ids = sorted(eos | set(self.model_config.eos_token_ids))
         # Keyed by the core's handle; the request-id registry is the core's (`handle_of`).
@@ -405,7 +420,8 @@ class LLMEngine:
         busy, idle, steps = self.runner.step_timer.totals()
         return dataclasses.replace(
             s, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions, spec_accepted_per_pos=list(s.spec_accepted_per_pos),
+            kv_cache_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions,
+            spec_accepted_per_pos=list(s.spec_accepted_per_pos), spec_draft_len_counts=self.scheduler.draft_len_counts(),
             prefix_cache_queries=self.scheduler.prefix_cache_queries, prefix_cache_hits=self.scheduler.prefix_cache_hits,
             step_busy_seconds=busy, step_idle_seconds=idle, num_steps=steps,
         )

@@ -467,14 +467,16 @@ def make_random_checkpoint(
     return summary
 
 
-def build_parser():
+def build_parser(extra_shapes=()):
+    """The command's parser; `extra_shapes`: more --shape choices (random_hybrid.py's)."""
     import argparse
 
     ap = argparse.ArgumentParser(
         prog="dflash-engine make-random-checkpoint",
-        description="Write a random-weight Qwen3 target (and a matching DFlash draft) in the Hugging Face format.")
+        description="Write a random-weight Qwen3 or Qwen3.5 target (and a matching DFlash draft) in the Hugging "
+                    "Face format.")
     ap.add_argument("out_dir", metavar="OUT_DIR")
-    ap.add_argument("--shape", required=True, choices=list(SHAPES))
+    ap.add_argument("--shape", required=True, choices=list(SHAPES) + list(extra_shapes))
     ap.add_argument("--draft", metavar="DRAFT_DIR", default=None, help="also write a matching random DFlash draft here")
     ap.add_argument("--draft-layers", type=int, default=None, help="draft layers (default: 5; 2 for tiny)")
     ap.add_argument("--device", default="auto", help="where the weights are generated: auto, cpu, cuda")
@@ -486,15 +488,19 @@ def build_parser():
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`dflash-engine make-random-checkpoint ...` (also `python -m dflash_engine.random_checkpoint ...`)."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str] | None = None, make: Callable[..., dict[str, Any]] | None = None,
+         extra_shapes=()) -> int:
+    """`dflash-engine make-random-checkpoint ...` (also `python -m dflash_engine.random_checkpoint ...`
+    for the Qwen3 shapes). `make` (default make_random_checkpoint) writes the shapes it is given:
+    random_hybrid.main passes one that also knows `extra_shapes`."""
+    args = build_parser(extra_shapes).parse_args(sys.argv[1:] if argv is None else argv)
+    make = make or make_random_checkpoint
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        summary = make_random_checkpoint(
+        summary = make(
             args.shape, args.out_dir, draft_dir=args.draft, device=args.device, seed=args.seed,
             dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size), config_only=args.config_only,
             overwrite=args.overwrite, draft_layers=args.draft_layers, log=log,

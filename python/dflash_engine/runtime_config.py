@@ -23,7 +23,7 @@ from .config import EngineConfig, synthetic_rates
 from .cpu import resolve_format
 from .model_path import is_gguf_model, resolve_model_path
 from .models.config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
-from .models.loader import read_config
+from .models.loader import read_config, target_config
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ MAX_MODEL_LEN_CAP = 8192
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The CPU KV pool's byte budget without DFLASH_CPU_KV_CACHE_GB.
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# The K an adaptive policy chooses among (capped at num_speculative_tokens, which is always
+# one): a graph runner per K on the GPU, so a handful; 0 is a plain decode step.
+ADAPTIVE_CANDIDATES = (0, 1, 3, 7, 15)
 # The fast CPU mode's default number of verified drafts. A CPU verify pass costs about
 # linearly in its rows, so verifying 3 of the full draft block's 15 proposals pays best: the
 # shipped draft, HumanEval, 2 cores: 1.53x spec-off at K = 3, 1.06x at 5, 1.20x at 7, 0.99x at
@@ -64,6 +67,8 @@ class RuntimeConfig:
     page_size: int  # tokens per KV page
     num_speculative_tokens: int  # K: drafts verified per decode step (0: speculation off)
     draft_len_schedule: tuple[tuple[int, int], ...]  # (max decoding requests, k), ascending
+    draft_len_policy: str  # "fixed" (always K), "schedule" (draft_len_schedule), "adaptive"
+    draft_len_candidates: tuple[int, ...]  # the K an adaptive step may verify (0: no draft pass)
     draft_rows: int  # D: rows of the draft's block (0 without a draft)
     mask_token_id: int
     tap_layers: tuple[int, ...] | None  # target layers whose outputs feed the draft
@@ -97,7 +102,13 @@ class RuntimeConfig:
     @property
     def draft_lengths(self) -> list[int]:
         """Every K a step may verify (the largest first)."""
-        return sorted({self.num_speculative_tokens} | {k for _, k in self.draft_len_schedule}, reverse=True)
+        ks = {self.num_speculative_tokens} | {k for _, k in self.draft_len_schedule} | set(self.draft_len_candidates)
+        return sorted(ks, reverse=True)
+
+    @property
+    def hybrid(self) -> bool:
+        """A hybrid target (GDN state slots from the KV pool; worker/state_pool.py)."""
+        return hasattr(self.model_config, "gdn_layer_ids")
 
     @property
     def synthetic(self) -> bool:
@@ -106,7 +117,7 @@ class RuntimeConfig:
 
 def resolve(cfg: EngineConfig) -> RuntimeConfig:
     model_path = Path(resolve_model_path(cfg.model))
-    mcfg = ModelConfig.from_dict(read_config(model_path))
+    mcfg = target_config(read_config(model_path))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, mcfg.torch_dtype, device)
     batch_invariant = envs.batch_invariant() if cfg.batch_invariant is None else bool(cfg.batch_invariant)
@@ -115,6 +126,7 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
 
     spec = cfg.speculative_config
     draft_path, dcfg, k, schedule, d, rates = None, None, 0, (), 0, None
+    policy, candidates = "fixed", ()
     if spec is not None:
         draft_path = Path(spec.model)
         dcfg = DraftConfig.from_dict(read_config(draft_path))
@@ -133,6 +145,11 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
                              f"num_speculative_tokens ({k})")
         # Every decode step drafts the draft's whole block and verifies K of its proposals.
         d = dcfg.block_size
+        if schedule:
+            policy = "schedule"
+        elif spec.draft_length == "adaptive":
+            policy = "adaptive"
+            candidates = tuple(sorted({c for c in ADAPTIVE_CANDIDATES if c <= k} | {k}))
         if spec.synthetic:
             rates = tuple(synthetic_rates(k, spec.synthetic_acceptance_length, spec.synthetic_acceptance_rates))
             expected = sum(float(np.prod(rates[:i])) for i in range(len(rates) + 1))
@@ -140,18 +157,32 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
                            "acceptance length %.2f; outputs are NOT the target's", [round(r, 4) for r in rates],
                            expected)
 
+    page_size, prefix_caching = cfg.block_size, cfg.enable_prefix_caching
+    if hasattr(mcfg, "gdn_layer_ids"):  # a hybrid target: one page must hold a state slot
+        from .worker.state_pool import hybrid_page_size
+
+        page_size = hybrid_page_size(mcfg, dcfg, cfg.block_size, dtype)
+        if page_size != cfg.block_size:
+            logger.info("hybrid target: pages of %d tokens (raised from %d) so that one page holds one recurrent "
+                        "state slot", page_size, cfg.block_size)
+        if prefix_caching:
+            logger.info("hybrid target: prefix caching disabled (the recurrent state of a cached prefix is not "
+                        "stored)")
+            prefix_caching = False
+
     gb = envs.cpu_kv_cache_gb()
     return RuntimeConfig(
         model_path=model_path, model_config=mcfg, draft_path=draft_path, draft_config=dcfg, device=device,
         dtype=dtype, max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                                  (k + 1) * cfg.max_num_seqs),
-        page_size=cfg.block_size, num_speculative_tokens=k, draft_len_schedule=schedule, draft_rows=d,
+        page_size=page_size, num_speculative_tokens=k, draft_len_schedule=schedule, draft_rows=d,
+        draft_len_policy=policy, draft_len_candidates=candidates,
         mask_token_id=dcfg.mask_token_id if dcfg else 0,
         tap_layers=tuple(dcfg.target_layer_ids) if dcfg else None, synthetic_rates=rates,
         batch_invariant=batch_invariant, cpu_weights=cpu_weights,
         overlap=envs.overlap() if cfg.overlap is None else bool(cfg.overlap),
-        enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=cfg.enforce_eager, enable_prefix_caching=prefix_caching,
         gpu_memory_utilization=cfg.gpu_memory_utilization, num_gpu_blocks_override=cfg.num_gpu_blocks_override,
         cpu_kv_cache_bytes=int(gb * (1 << 30)) or DEFAULT_CPU_KV_BYTES,
         cpu_kv_cache_source=f"DFLASH_CPU_KV_CACHE_GB={gb:g}" if gb else "DFLASH_CPU_KV_CACHE_GB (default 1)",

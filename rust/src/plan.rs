@@ -14,6 +14,11 @@
 //! write of committed rows overwrites them. A step with B = 1 (no drafts) has no draft pass.
 //! Every slot and page id comes from here: Python derives none.
 //!
+//! Hybrid targets (recurrent state; request.rs): `state_read[r]` is request r's committed
+//! state slot (-1: no state yet, read zeros) and `state_write[t]` the slot that keeps the
+//! state after target row t (-1: not kept): the last row of a prefill chunk, and every verify
+//! row. Both are empty for targets without state. State slots are page ids of the same pool.
+//!
 //! The plan is information for the runner; the scheduler never reads it back. `commit`
 //! takes the [`StepTicket`] (move-only, unforgeable) and applies results against the
 //! scheduler's own record of what it planned.
@@ -46,6 +51,9 @@ pub struct PlanEntry {
     /// First entry of this request in `sample_rows`.
     pub sample_start: usize,
     pub num_samples: usize,
+    /// State slots the kept rows write (hybrid targets): the prefill chunk's last row, or
+    /// verify rows 0..B-1; `commit` makes the one of the last kept row the committed slot.
+    pub state_writes: Vec<u32>,
 }
 
 impl PlanEntry {
@@ -117,6 +125,10 @@ pub struct StepPlan {
     pub verify_target_rows: Vec<i64>,
     /// The draft pass over the first `num_decode` requests (page tables: their target rows').
     pub draft: DraftPass,
+    /// `[R]`: each request's committed state slot, -1 for none (hybrid targets; else empty).
+    pub state_read: Vec<i64>,
+    /// `[T]`: the slot keeping the state after each target row, -1 for none (hybrid; else empty).
+    pub state_write: Vec<i64>,
 }
 
 impl StepPlan {

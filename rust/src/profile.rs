@@ -6,7 +6,9 @@
 //! B sampled rows) as far as the token budget allows, then prefill chunks (one sampled row
 //! each, at most `max_model_len` rows) filling the rest of it. Every context is
 //! `max_model_len` long (the widest attention and page tables); every page-table entry is
-//! the null page and every slot lies in page 1, in bounds of a 2-page cache.
+//! the null page and every slot lies in page 1, in bounds of a 2-page cache. With
+//! `state_slots` (hybrid targets) every request reads no state and keeps the states a real
+//! step keeps (a prefill chunk's last row, every verify row) in slot 1.
 
 use crate::error::{CoreError, CoreResult};
 use crate::plan::{EntryKind, PlanEntry, StepPlan};
@@ -22,6 +24,7 @@ pub fn profile_plan(
     max_model_len: usize,
     page_size: usize,
     mask_token_id: u32,
+    state_slots: bool,
 ) -> CoreResult<StepPlan> {
     let (b, ps) = (block_rows, page_size);
     if b == 0 || ps == 0 || max_num_seqs == 0 || num_tokens == 0 || max_model_len < b || reserve_rows < b {
@@ -76,7 +79,13 @@ pub fn profile_plan(
             EntryKind::Prefill { start: first, len: q, sample: true }
         };
         let num_samples = plan.sample_rows.len() - sample_start;
-        plan.entries.push(PlanEntry { handle: i as u64, kind, q_start, sample_start, num_samples });
+        if state_slots {
+            // Every request starts from no state; kept rows write slot 1 (page 1, as the KV).
+            plan.state_read.push(-1);
+            let keeps = |t: usize| matches!(kind, EntryKind::Decode { .. }) || t + 1 == q;
+            plan.state_write.extend((0..q).map(|t| if keeps(t) { 1 } else { -1 }));
+        }
+        plan.entries.push(PlanEntry { handle: i as u64, kind, q_start, sample_start, num_samples, state_writes: Vec::new() });
     }
     Ok(plan)
 }
@@ -87,7 +96,7 @@ mod tests {
 
     #[test]
     fn fills_the_budget_with_decode_blocks_then_prefill_chunks() {
-        let p = profile_plan(40, 4, 4, 8, 8, 32, 16, 9).unwrap();
+        let p = profile_plan(40, 4, 4, 8, 8, 32, 16, 9, false).unwrap();
         assert_eq!((p.num_decode, p.block_rows, p.draft.rows), (3, 4, 8));
         assert_eq!(p.target.num_rows(), 40); // 3 blocks of 4, one chunk of 28
         assert_eq!(p.target.query_start_loc, vec![0, 4, 8, 12, 40]);
@@ -102,9 +111,19 @@ mod tests {
 
     #[test]
     fn spec_off_has_no_draft_pass_and_bad_shapes_are_refused() {
-        let p = profile_plan(10, 4, 1, 0, 1, 32, 16, 0).unwrap();
+        let p = profile_plan(10, 4, 1, 0, 1, 32, 16, 0, false).unwrap();
         assert_eq!((p.num_decode, p.draft.rows, p.num_draft_rows()), (3, 0, 0));
-        assert!(profile_plan(10, 4, 0, 0, 1, 32, 16, 0).is_err());
-        assert!(profile_plan(10, 4, 4, 0, 2, 32, 16, 0).is_err());
+        assert!(profile_plan(10, 4, 0, 0, 1, 32, 16, 0, false).is_err());
+        assert!(profile_plan(10, 4, 4, 0, 2, 32, 16, 0, false).is_err());
+        assert!(p.state_read.is_empty() && p.state_write.is_empty());
+    }
+
+    #[test]
+    fn hybrid_profile_keeps_states_like_a_real_step() {
+        let p = profile_plan(40, 4, 4, 8, 8, 32, 16, 9, true).unwrap();
+        assert_eq!(p.state_read, vec![-1; 4]);
+        assert_eq!(p.state_write.len(), 40);
+        assert!(p.state_write[..12].iter().all(|&s| s == 1), "every verify row keeps its state");
+        assert!(p.state_write[12..39].iter().all(|&s| s == -1) && p.state_write[39] == 1, "a chunk keeps its last");
     }
 }

@@ -12,7 +12,7 @@ use crate::error::{CoreError, Param};
 use crate::plan::{StepPlan, StepTicket};
 use crate::request::FinishReason;
 use crate::draft_len::{draft_len_for, DraftLenPolicy, StepCosts};
-use crate::scheduler::{pages_per_seq, Scheduler, SchedulerConfig};
+use crate::scheduler::{pages_per_seq, state_slots_per_seq, Scheduler, SchedulerConfig};
 
 mod exc {
     use pyo3::create_exception;
@@ -192,6 +192,12 @@ pub struct PyStepPlan {
     draft_proposal_rows: Py<PyArray1<i64>>,
     #[pyo3(get)]
     verify_target_rows: Py<PyArray1<i64>>,
+    /// Hybrid targets: `[R]` each request's committed state slot (-1: none, zeros), and
+    /// `[T]` the slot keeping the state after each target row (-1: not kept); else empty.
+    #[pyo3(get)]
+    state_read: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    state_write: Py<PyArray1<i64>>,
 }
 
 impl PyStepPlan {
@@ -240,6 +246,8 @@ impl PyStepPlan {
             page_tables,
             verify_target_rows: arr1(py, std::mem::take(&mut plan.verify_target_rows))?,
             sample_rows: arr1(py, std::mem::take(&mut plan.sample_rows))?,
+            state_read: arr1(py, std::mem::take(&mut plan.state_read))?,
+            state_write: arr1(py, std::mem::take(&mut plan.state_write))?,
         })
     }
 
@@ -330,7 +338,7 @@ impl PyScheduler {
     #[pyo3(signature = (*, num_pages, page_size, max_num_seqs, max_num_batched_tokens, max_model_len,
                         num_speculative_tokens = 0, mask_token_id = 0, enable_prefix_caching = true,
                         draft_len_schedule = Vec::new(), draft_block_rows = 0, draft_len_policy = "fixed",
-                        draft_len_candidates = Vec::new()))]
+                        draft_len_candidates = Vec::new(), state_slots = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_pages: usize,
@@ -345,6 +353,7 @@ impl PyScheduler {
         draft_block_rows: usize,
         draft_len_policy: &str,
         draft_len_candidates: Vec<i64>,
+        state_slots: bool,
     ) -> PyResult<Self> {
         let candidates = counts_vec(draft_len_candidates, "draft_len_candidates")?;
         let draft_len_policy = parse_policy(draft_len_policy, draft_len_schedule, candidates, num_speculative_tokens)?;
@@ -359,6 +368,7 @@ impl PyScheduler {
             enable_prefix_caching,
             draft_len_policy,
             draft_block_rows,
+            state_slots,
         };
         Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py)? })
     }
@@ -459,6 +469,12 @@ impl PyScheduler {
         Ok((r.phase().name(), r.num_computed(), r.tokens().to_vec()))
     }
 
+    /// (committed state slot or -1, owned state slots) of a live request (hybrid targets).
+    fn state_slots(&self, handle: u64) -> PyResult<(i64, Vec<u32>)> {
+        let r = self.live(handle)?;
+        Ok((r.committed_slot().map_or(-1, |p| p as i64), r.state_slots().to_vec()))
+    }
+
     /// Prompt tokens a live request took from the prefix cache at its first admission.
     fn num_cached_tokens(&self, handle: u64) -> PyResult<usize> {
         Ok(self.live(handle)?.num_cached_tokens())
@@ -542,6 +558,11 @@ impl PyScheduler {
     fn page_size(&self) -> usize {
         self.inner.config().page_size
     }
+    /// State slots a decoding request holds (0 without state slots).
+    #[getter]
+    fn state_slots_per_seq(&self) -> usize {
+        self.inner.config().state_slots_per_seq()
+    }
     #[getter]
     fn block_rows(&self) -> usize {
         self.inner.config().block_rows()
@@ -576,10 +597,19 @@ fn py_pages_per_seq(max_model_len: usize, reserve_rows: usize, page_size: usize)
     Ok(pages_per_seq(max_model_len, reserve_rows, page_size))
 }
 
+/// State slots one decoding request holds with `num_speculative_tokens` (the committed one
+/// and one per verify row; `SchedulerConfig::state_slots_per_seq`), for sizing pools in Python.
+#[pyfunction]
+#[pyo3(name = "state_slots_per_seq")]
+fn py_state_slots_per_seq(num_speculative_tokens: usize) -> usize {
+    state_slots_per_seq(num_speculative_tokens)
+}
+
 /// The largest eager step the engine can run, as a plan over a 2-page KV cache (see
 /// `profile::profile_plan`); it carries no ticket (nothing commits it).
 #[pyfunction]
-#[pyo3(name = "profile_plan")]
+#[pyo3(name = "profile_plan", signature = (num_tokens, max_num_seqs, block_rows, draft_block_rows, reserve_rows,
+                                             max_model_len, page_size, mask_token_id, state_slots = false))]
 #[allow(clippy::too_many_arguments)]
 fn py_profile_plan(
     py: Python<'_>,
@@ -591,9 +621,11 @@ fn py_profile_plan(
     max_model_len: usize,
     page_size: usize,
     mask_token_id: u32,
+    state_slots: bool,
 ) -> PyResult<PyStepPlan> {
     let plan = crate::profile::profile_plan(
         num_tokens, max_num_seqs, block_rows, draft_block_rows, reserve_rows, max_model_len, page_size, mask_token_id,
+        state_slots,
     )
     .map_err(to_py)?;
     PyStepPlan::build(py, None, plan)
@@ -618,5 +650,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_pages_per_seq, m)?)?;
     m.add_function(wrap_pyfunction!(py_profile_plan, m)?)?;
     m.add_function(wrap_pyfunction!(py_draft_len_for, m)?)?;
+    m.add_function(wrap_pyfunction!(py_state_slots_per_seq, m)?)?;
     Ok(())
 }

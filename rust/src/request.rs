@@ -22,6 +22,15 @@
 //! the content of page `j` (its own publication, or an equal page published first). Frozen
 //! pages lie inside the computed prefix and no step writes them again; every other page is
 //! private to this request.
+//!
+//! Recurrent state (hybrid targets, `SchedulerConfig::state_slots`): a request also owns
+//! *state slots*, pages of the same pool, each holding a whole recurrent state (every GDN
+//! layer's conv window and state). `committed_slot` is the slot whose state covers exactly
+//! the computed prefix (`num_computed()` tokens); `None` while nothing is computed (fresh, or
+//! resumed after preemption: the state was freed and prefill recomputes from scratch). A step
+//! reads the committed slot and writes only the *other* slots (`state_writes`), so a
+//! cancelled or failed step leaves the committed state intact; applying a step moves
+//! `committed_slot` to the slot of the last kept row: an index update, never a copy.
 
 use crate::page_pool::{EntryId, PageId, PageList, Publish, ROOT_ENTRY};
 
@@ -118,12 +127,17 @@ pub struct Request {
     publish_stopped: bool,
     /// Prompt tokens served from the cache at the first admission.
     num_cached_tokens: Option<usize>,
+    /// State slots (hybrid targets; module doc), pages of the same pool as `pages`.
+    state: PageList,
+    /// The slot holding the state of the computed prefix (one of `state`), if any.
+    committed_slot: Option<PageId>,
 }
 
 impl Request {
     pub(crate) fn new(id: &str, prompt: &[u32], max_tokens: usize, stop_token_ids: Vec<u32>, pages: PageList) -> Self {
         let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
         tokens.extend_from_slice(prompt);
+        let state = pages.pool().empty_list();
         Request {
             id: id.to_string(),
             prompt_len: prompt.len(),
@@ -136,7 +150,34 @@ impl Request {
             frozen: Vec::new(),
             publish_stopped: false,
             num_cached_tokens: None,
+            state,
+            committed_slot: None,
         }
+    }
+
+    /// State slots owned (hybrid targets; empty otherwise).
+    pub fn state_slots(&self) -> &[PageId] {
+        self.state.pages()
+    }
+
+    /// The slot whose state covers the computed prefix (None: no state yet, read as zeros).
+    pub fn committed_slot(&self) -> Option<PageId> {
+        self.committed_slot
+    }
+
+    /// The first `n` owned slots other than the committed one: where a step writes the
+    /// states it keeps (row t of a verify block -> slot t; a prefill chunk's last row -> 0).
+    pub(crate) fn state_writes(&self, n: usize) -> Vec<PageId> {
+        let w: Vec<PageId> = self.state.pages().iter().copied().filter(|&p| Some(p) != self.committed_slot).take(n).collect();
+        assert_eq!(w.len(), n, "request {}: {} state slots cannot take {n} writes", self.id, self.state.len());
+        w
+    }
+
+    /// A step's kept row wrote `slot` (one of `state_writes`): its state is now the
+    /// committed one (an index update; the previous committed slot becomes a spare).
+    pub(crate) fn commit_state(&mut self, slot: PageId) {
+        assert!(self.state.pages().contains(&slot), "request {}: committing state slot {slot} it does not own", self.id);
+        self.committed_slot = Some(slot);
     }
 
     pub fn id(&self) -> &str {
@@ -198,9 +239,15 @@ impl Request {
         }
     }
 
-    /// Grow the page list to `n` pages; all or nothing.
-    pub(crate) fn grow_pages(&mut self, n: usize) -> bool {
-        self.pages.grow_to(n)
+    /// Grow to `pages` KV pages and `slots` state slots, from the one pool; all or nothing.
+    pub(crate) fn grow(&mut self, pages: usize, slots: usize) -> bool {
+        let want = pages.saturating_sub(self.pages.len()) + slots.saturating_sub(self.state.len());
+        if want > self.pages.pool().num_free() {
+            return false;
+        }
+        let grown = self.pages.grow_to(pages) && self.state.grow_to(slots);
+        assert!(grown, "checked above");
+        true
     }
 
     /// Hash the full pages of `tokens` up to `n` pages (at most the full pages there are).
@@ -228,14 +275,22 @@ impl Request {
     }
 
     /// Waiting | Preempted -> Prefilling{computed: hits * page_size}: share the cache hits
-    /// (`cache_lookup`, or none) and grow to `n` pages. All or nothing: false if the pool is
-    /// short, and then nothing changed.
-    pub(crate) fn admit(&mut self, hits: &[(PageId, EntryId)], n: usize) -> bool {
+    /// (`cache_lookup`, or none), grow to `n` pages and take `slots` state slots (hybrid
+    /// targets: no cache hits, since a cached prefix carries no state). All or nothing: false
+    /// if the pool is short, and then nothing changed.
+    pub(crate) fn admit(&mut self, hits: &[(PageId, EntryId)], n: usize, slots: usize) -> bool {
         assert!(matches!(self.phase, Phase::Waiting | Phase::Preempted), "admit from {}", self.phase.name());
+        assert!(slots == 0 || hits.is_empty(), "a request with state slots cannot start from cached pages");
+        assert!(self.state.is_empty() && self.committed_slot.is_none(), "a queued request holds no state");
+        if slots > 0 && n + slots > self.pages.pool().num_free() {
+            return false;
+        }
         let shared: Vec<PageId> = hits.iter().map(|h| h.0).collect();
         if !self.pages.acquire_prefix(&shared, n) {
             return false;
         }
+        let taken = self.state.grow_to(slots);
+        assert!(taken, "checked above");
         let computed = hits.len() * self.pages.pool().page_size();
         assert!(computed < self.prefill_target().0, "a cache hit must leave a token to compute");
         self.frozen = hits.iter().map(|h| h.1).collect();
@@ -285,6 +340,8 @@ impl Request {
         self.frozen.clear();
         self.publish_stopped = false;
         self.pages.clear();
+        self.state.clear();
+        self.committed_slot = None;
     }
 
     /// A prefill chunk of `len` rows from `start` ran. On the last chunk the request starts
@@ -357,13 +414,13 @@ mod tests {
     fn transitions_follow_the_diagram() {
         let pool = PagePool::new(8, 4);
         let mut r = req(&pool);
-        assert!(r.admit(&[], 0));
+        assert!(r.admit(&[], 0, 0));
         assert_eq!(r.phase(), Phase::Prefilling { computed: 0 });
-        assert!(r.grow_pages(1));
+        assert!(r.grow(1, 0));
         r.preempt();
         assert_eq!(r.phase(), Phase::Preempted);
         assert!(r.pages().is_empty(), "preemption frees the pages");
-        assert!(r.admit(&[], 1));
+        assert!(r.admit(&[], 1, 0));
         assert_eq!(r.finish_prefill_chunk(0, 2, None), Applied { new_tokens: 0, finish: None });
         assert_eq!(r.finish_prefill_chunk(2, 1, Some(5)), Applied { new_tokens: 1, finish: None });
         assert_eq!((r.phase(), r.num_computed(), r.tokens()), (Phase::Decoding, 3, &[1, 2, 3, 5][..]));
@@ -378,9 +435,9 @@ mod tests {
     fn cannot_admit_a_decoding_request() {
         let pool = PagePool::new(8, 4);
         let mut r = req(&pool);
-        r.admit(&[], 1);
+        r.admit(&[], 1, 0);
         r.finish_prefill_chunk(0, 3, Some(4));
-        r.admit(&[], 1);
+        r.admit(&[], 1, 0);
     }
 
     #[test]
@@ -388,7 +445,7 @@ mod tests {
     fn verify_must_match_the_committed_count() {
         let pool = PagePool::new(8, 4);
         let mut r = req(&pool);
-        r.admit(&[], 1);
+        r.admit(&[], 1, 0);
         r.finish_prefill_chunk(0, 3, Some(4));
         r.apply_verify(2, &[1]);
     }

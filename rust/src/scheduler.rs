@@ -18,6 +18,12 @@
 //! - a decoding request's pages cover `committed`; one in the outstanding step covers
 //!   `committed + B` (pages for the draft block are allocated before the step that drafts);
 //! - acceptance counts (draft_len.rs) exist only for live requests: they die in `remove`;
+//! - hybrid targets (`state_slots`): state slots are pages of the same pool, each owned by
+//!   exactly one request (never shared, never published, never one of its KV pages); a
+//!   request's committed slot is one it owns, and it has one iff it has computed tokens;
+//!   queued requests hold none; a prefilling request holds 2 (the committed one and the one
+//!   its chunk writes), a decoding one B_max + 1 once it has been scheduled to decode (one per
+//!   verify row besides the committed one): admission and preemption count them with its KV;
 //! - at most one step is outstanding; its record lives here, and only its move-only
 //!   [`StepTicket`] can apply, cancel or fail it (the caller's plan is never read back).
 
@@ -37,6 +43,13 @@ use crate::request::{FinishReason, Phase, Request};
 /// pools and page-table widths with it through the Python binding).
 pub fn pages_per_seq(max_len: usize, reserve_rows: usize, page_size: usize) -> usize {
     (max_len + reserve_rows).div_ceil(page_size)
+}
+
+/// State slots a decoding request of a hybrid target holds: its committed state and one per
+/// row of the largest verify block (K + 1). The one formula (admission counts it; the runner
+/// sizes the pool's concurrency with it through the Python binding).
+pub fn state_slots_per_seq(num_speculative_tokens: usize) -> usize {
+    num_speculative_tokens + 2
 }
 
 /// Distinguishes schedulers so that a ticket of one is refused by another.
@@ -64,6 +77,10 @@ pub struct SchedulerConfig {
     /// of its proposals: a draft proposes much worse in a block shorter than it was trained
     /// on. KV is reserved for max(B, D) rows past the last token.
     pub draft_block_rows: usize,
+    /// A hybrid target: every running request also holds recurrent-state slots, pages of
+    /// the one pool (`state_slots_per_seq`; request.rs). Excludes prefix caching (a cached
+    /// prefix's state is not stored).
+    pub state_slots: bool,
 }
 
 impl SchedulerConfig {
@@ -76,6 +93,17 @@ impl SchedulerConfig {
     /// block): what admission and every decode step reserve KV for.
     pub fn reserve_rows(&self) -> usize {
         self.block_rows().max(self.draft_block_rows)
+    }
+
+    /// State slots a decoding request holds: the committed one and one per row of the
+    /// largest verify block (0 without state). The admission bound counts them.
+    pub fn state_slots_per_seq(&self) -> usize {
+        if self.state_slots { state_slots_per_seq(self.num_speculative_tokens) } else { 0 }
+    }
+
+    /// State slots a prefilling request holds: the committed one and its chunk's last row's.
+    pub fn prefill_state_slots(&self) -> usize {
+        if self.state_slots { 2 } else { 0 }
     }
 
     /// B of a step with `num_decoding` decoding requests under a static policy (Fixed,
@@ -109,6 +137,11 @@ impl SchedulerConfig {
                 self.draft_block_rows,
                 self.block_rows()
             ));
+        }
+        if self.state_slots && self.enable_prefix_caching {
+            return bad("prefix caching is not supported with state slots (a hybrid target): the recurrent state \
+                        of a cached prefix is not stored; turn prefix caching off"
+                .into());
         }
         if self.max_num_batched_tokens < self.block_rows() {
             return bad(format!(
@@ -284,9 +317,11 @@ impl Scheduler {
             ));
         }
         let pages = pages_per_seq(total, self.cfg.reserve_rows(), self.cfg.page_size);
-        if pages > self.pool.num_usable() {
+        let slots = self.cfg.state_slots_per_seq();
+        if pages + slots > self.pool.num_usable() {
+            let with = if slots > 0 { format!(" and {slots} state slots") } else { String::new() };
             return reject(Param::Prompt, format!(
-                "needs {pages} KV pages at full length but the pool has {}",
+                "needs {pages} KV pages{with} at full length but the pool has {}",
                 self.pool.num_usable()
             ));
         }
@@ -385,10 +420,14 @@ impl Scheduler {
                 continue;
             }
             let need_pages = self.pool.pages_for(need_tokens);
+            let need_slots = match kind {
+                EntryKind::Decode { .. } => self.cfg.state_slots_per_seq(),
+                EntryKind::Prefill { .. } => self.cfg.prefill_state_slots(),
+            };
             let mut fits = true;
             loop {
                 let req = self.requests.get_mut(&h).expect("running request");
-                if req.grow_pages(need_pages) {
+                if req.grow(need_pages, need_slots) {
                     max_pages = max_pages.max(req.pages().len());
                     break;
                 }
@@ -415,7 +454,7 @@ impl Scheduler {
             let hits = if self.cfg.enable_prefix_caching { req.cache_lookup() } else { Vec::new() };
             let start = hits.len() * self.cfg.page_size;
             let len = (target - start).min(budget);
-            if !req.admit(&hits, self.pool.pages_for(start + len)) {
+            if !req.admit(&hits, self.pool.pages_for(start + len), self.cfg.prefill_state_slots()) {
                 break;
             }
             if self.cfg.enable_prefix_caching {
@@ -487,6 +526,17 @@ impl Scheduler {
             );
             let q_start = t.input_ids.len();
             let sample_start = plan.sample_rows.len();
+            // State: read the committed slot; keep the chunk's last row, or every verify row,
+            // in the slots other than the committed one.
+            let mut state_writes = Vec::new();
+            if self.cfg.state_slots {
+                plan.state_read.push(req.committed_slot().map_or(-1, |p| p as i64));
+                let rows = kind.num_rows(b);
+                state_writes = req.state_writes(if matches!(kind, EntryKind::Decode { .. }) { b } else { 1 });
+                let first_kept = rows - state_writes.len();
+                plan.state_write.extend(std::iter::repeat_n(-1, first_kept));
+                plan.state_write.extend(state_writes.iter().map(|&p| p as i64));
+            }
             let seq_len = match *kind {
                 EntryKind::Prefill { start, len, sample } => {
                     t.input_ids.extend(tokens[start..start + len].iter().map(|&x| x as i64));
@@ -522,8 +572,8 @@ impl Scheduler {
             t.query_start_loc.push(t.input_ids.len() as i32);
             t.seq_lens.push(seq_len as i32);
             push_table(&mut t.page_tables, pages, max_pages);
-            let entry =
-                PlanEntry { handle: *h, kind: *kind, q_start, sample_start, num_samples: plan.sample_rows.len() - sample_start };
+            let num_samples = plan.sample_rows.len() - sample_start;
+            let entry = PlanEntry { handle: *h, kind: *kind, q_start, sample_start, num_samples, state_writes };
             debug_assert_eq!(entry.num_rows(), t.input_ids.len() - q_start);
             plan.entries.push(entry);
         }
@@ -594,6 +644,12 @@ impl Scheduler {
                 EntryKind::Prefill { start, len, sample } => req.finish_prefill_chunk(start, len, sample.then(|| s[0])),
                 EntryKind::Decode { committed } => req.apply_verify(committed, &s[..a as usize + 1]),
             };
+            if !e.state_writes.is_empty() && applied.finish.is_none() {
+                // The state after the last kept row (the chunk's last; verify row a) is the
+                // committed one now: the rejected rows' states are never read.
+                let last = if matches!(e.kind, EntryKind::Decode { .. }) { a as usize } else { 0 };
+                req.commit_state(e.state_writes[last]);
+            }
             if self.cfg.enable_prefix_caching {
                 // Before any removal: a request finished mid-block still computed its prefix.
                 req.publish_computed();
@@ -726,6 +782,7 @@ impl Scheduler {
                     return Err(format!("request {h}: page {p} past the frozen prefix is published or shared"));
                 }
             }
+            self.check_state_slots(*h, r, in_step.contains(h), b, &mut owners)?;
             if self.ids.get(r.id()) != Some(h) {
                 return Err(format!("request {h} is not registered under its id"));
             }
@@ -781,6 +838,46 @@ impl Scheduler {
             return Err("more running requests than max_num_seqs".into());
         }
         self.draft_len.check(|h| self.requests.contains_key(&h))?;
+        Ok(())
+    }
+}
+
+impl Scheduler {
+    /// The state-slot invariants of one request (module doc); counts its slots in `owners`.
+    fn check_state_slots(&self, h: u64, r: &Request, in_step: bool, b: usize, owners: &mut [u32]) -> Result<(), String> {
+        let slots = r.state_slots();
+        if !self.cfg.state_slots {
+            return match (slots.is_empty(), r.committed_slot()) {
+                (true, None) => Ok(()),
+                _ => Err(format!("request {h} holds state slots without state_slots")),
+            };
+        }
+        for (j, &p) in slots.iter().enumerate() {
+            if p == NULL_PAGE || slots[..j].contains(&p) || r.pages().pages().contains(&p) {
+                return Err(format!("request {h}: state slot {p} is the null page, held twice, or one of its KV pages"));
+            }
+            if self.pool.cache_meta(p).is_some() {
+                return Err(format!("request {h}: state slot {p} is published"));
+            }
+            owners[p as usize] += 1;
+        }
+        if let Some(c) = r.committed_slot() {
+            if !slots.contains(&c) {
+                return Err(format!("request {h}: committed state slot {c} is not one it owns"));
+            }
+        }
+        if r.committed_slot().is_some() != (r.num_computed() > 0) {
+            return Err(format!("request {h}: committed slot {:?} with {} computed tokens", r.committed_slot(), r.num_computed()));
+        }
+        let need = match r.phase() {
+            Phase::Prefilling { .. } => self.cfg.prefill_state_slots(),
+            Phase::Decoding if in_step => b + 1,
+            Phase::Decoding => 1,
+            _ => 0,
+        };
+        if slots.len() < need || (need == 0 && !slots.is_empty()) {
+            return Err(format!("request {h} ({}) holds {} state slots, needs {need}", r.phase().name(), slots.len()));
+        }
         Ok(())
     }
 }

@@ -16,11 +16,16 @@
 //!   counts gone with their request), every step drafts a k with the most expected tokens per
 //!   second by the reference, the same operations choose the same k's, and the counters
 //!   count every planned step with decoding requests.
+//! - hybrid targets (state slots, prefix caching off): the state content model: every state
+//!   slot a step keeps records (request, tokens covered); every step reads exactly the slot
+//!   covering its request's computed prefix (-1 iff nothing is computed), writes only slots
+//!   it owns other than that one, no slot twice in a step and no KV into a state slot; the
+//!   pool is full again once everything finished.
 
 use std::collections::HashMap;
 
 use _core::{
-    draft_len, pages_per_seq, CoreError, DraftLenPolicy, EntryKind, FinishReason, Phase, Scheduler, SchedulerConfig,
+    draft_len, pages_per_seq, state_slots_per_seq, CoreError, DraftLenPolicy, EntryKind, FinishReason, Phase, Scheduler, SchedulerConfig,
     StepCosts, StepPlan, StepTicket,
 };
 use proptest::prelude::*;
@@ -219,6 +224,8 @@ struct Harness {
     /// Rows a decode step reserves past `committed`: max(B, the draft block D).
     reserve: usize,
     ps: usize,
+    /// State slot (page) -> (request, tokens its state covers); None = garbage.
+    state: HashMap<u32, Option<(u64, usize)>>,
 }
 
 impl Harness {
@@ -232,11 +239,14 @@ impl Harness {
             let r = self.s.request(*h).expect("model request live in scheduler");
             assert_eq!(self.s.handle_of(&m.id), Some(*h), "one registry: id -> handle");
             assert_eq!(r.tokens(), &m.tokens[..], "request {h} tokens diverged from the model");
-            for &p in r.pages().pages() {
+            for &p in r.pages().pages().iter().chain(r.state_slots()) {
                 *owners.entry(p).or_default() += 1;
             }
+            if let Some(c) = r.committed_slot() {
+                assert!(r.state_slots().contains(&c), "request {h}: committed state slot {c} not its own");
+            }
         }
-        // Reference refcounts: the page tables, counted here.
+        // Reference refcounts: the page tables and state slots, counted here.
         for p in 1..pool.num_pages() as u32 {
             let n = owners.get(&p).copied().unwrap_or(0);
             assert_eq!(pool.refcount(p), n, "page {p}: refcount vs page tables");
@@ -263,8 +273,9 @@ impl Harness {
             Err(CoreError::Rejected { .. }) => {
                 let cfg = self.s.config();
                 let too_long = prompt_len + max_tokens > cfg.max_model_len;
-                let too_big = (prompt_len + max_tokens + self.reserve).div_ceil(cfg.page_size) > cfg.num_pages - 1;
-                assert_eq!(too_big, pages_per_seq(prompt_len + max_tokens, self.reserve, cfg.page_size) > cfg.num_pages - 1);
+                let slots = if cfg.state_slots { state_slots_per_seq(cfg.num_speculative_tokens) } else { 0 };
+                let too_big = (prompt_len + max_tokens + self.reserve).div_ceil(cfg.page_size) + slots > cfg.num_pages - 1;
+                assert_eq!(too_big, pages_per_seq(prompt_len + max_tokens, self.reserve, cfg.page_size) + slots > cfg.num_pages - 1);
                 assert!(prompt_len == 0 || too_long || too_big, "rejected a request that fits");
             }
             Err(e) => panic!("unexpected {e}"),
@@ -397,6 +408,7 @@ impl Harness {
                 assert!(self.s.pool().cache_meta(page).is_none(), "step writes published page {page}");
             }
         }
+        self.check_state_plan(&plan);
         let mut rng = Rng(seed);
         let skew = self.dl.skew;
         let accepted: Vec<u32> = plan
@@ -409,6 +421,74 @@ impl Harness {
             .collect();
         let sampled: Vec<u32> = plan.sample_rows.iter().map(|_| 3 + rng.below(40) as u32).collect();
         Some((ticket, plan, accepted, sampled))
+    }
+
+    /// The state slots of a plan (hybrid targets): what each request reads, where it writes.
+    fn check_state_plan(&self, plan: &StepPlan) {
+        if !self.s.config().state_slots {
+            assert!(plan.state_read.is_empty() && plan.state_write.is_empty());
+            return;
+        }
+        assert_eq!((plan.state_read.len(), plan.state_write.len()), (plan.entries.len(), plan.target.num_rows()));
+        let mut written = Vec::new();
+        for (i, e) in plan.entries.iter().enumerate() {
+            let r = self.s.request(e.handle).unwrap();
+            let computed = r.num_computed();
+            let read = plan.state_read[i];
+            if computed == 0 {
+                assert_eq!(read, -1, "request {} with nothing computed reads a state", e.handle);
+            } else {
+                assert_eq!(read, r.committed_slot().unwrap() as i64);
+                assert_eq!(
+                    self.state.get(&(read as u32)).copied().flatten(),
+                    Some((e.handle, computed)),
+                    "request {} reads state slot {read} not covering its {computed} computed tokens",
+                    e.handle
+                );
+            }
+            let writes = &plan.state_write[e.q_start..e.q_start + e.num_rows()];
+            let kept: Vec<i64> = writes.iter().copied().filter(|&w| w >= 0).collect();
+            match e.kind {
+                EntryKind::Prefill { .. } => {
+                    assert_eq!(kept.len(), 1);
+                    assert!(writes[writes.len() - 1] >= 0, "a prefill chunk keeps its last row's state");
+                }
+                EntryKind::Decode { .. } => assert_eq!(kept.len(), plan.block_rows, "every verify row keeps a state"),
+            }
+            for w in kept {
+                assert_ne!(w, read, "a step overwrites the committed state it reads");
+                assert!(r.state_slots().contains(&(w as u32)), "request {} writes state slot {w} it does not own", e.handle);
+                written.push(w);
+            }
+        }
+        let n = written.len();
+        written.sort_unstable();
+        written.dedup();
+        assert_eq!(written.len(), n, "a state slot written twice in one step");
+        // No KV row (target or draft pass) lands in anyone's state slot.
+        let slots: Vec<u32> = self.model.keys().flat_map(|h| self.s.request(*h).unwrap().state_slots().to_vec()).collect();
+        for &kv in plan.target.slot_mapping.iter().chain(&plan.draft.slot_mapping) {
+            assert!(!slots.contains(&((kv / self.ps as i64) as u32)), "KV slot {kv} lies in a state slot page");
+        }
+    }
+
+    /// What a step's kept rows leave in their state slots: `covered(entry, row)` -> tokens
+    /// covered (None: garbage, the step was not committed).
+    fn write_states(&mut self, plan: &StepPlan, covered: impl Fn(&_core::PlanEntry, usize) -> Option<usize>) {
+        if !self.s.config().state_slots {
+            return;
+        }
+        for &kv in plan.target.slot_mapping.iter().chain(&plan.draft.slot_mapping) {
+            self.state.insert((kv / self.ps as i64) as u32, None);
+        }
+        for e in &plan.entries {
+            for row in 0..e.num_rows() {
+                let w = plan.state_write[e.q_start + row];
+                if w >= 0 {
+                    self.state.insert(w as u32, covered(e, row).map(|n| (e.handle, n)));
+                }
+            }
+        }
     }
 
     /// The rows of `plan` as (slot, what the row computes), for the content model.
@@ -434,6 +514,7 @@ impl Harness {
     /// The step ran but nothing was committed (cancelled, or its request aborted): its rows
     /// hold KV nobody may read as committed.
     fn scribble(&mut self, plan: &StepPlan) {
+        self.write_states(plan, |_, _| None);
         for (_, rows) in Self::rows(plan) {
             for (slot, _) in rows {
                 self.content.insert(slot, None);
@@ -445,6 +526,15 @@ impl Harness {
         let before: HashMap<u64, (Phase, usize)> =
             plan.entries.iter().filter(|e| self.model.contains_key(&e.handle)).map(|e| (e.handle, self.state(e.handle))).collect();
         let out = self.s.commit(ticket, accepted, sampled).map_err(|r| r.error).unwrap();
+        // Row t of an entry keeps the state of its tokens through that row (rejected rows'
+        // states are never read: the committed slot moves to the last accepted row's).
+        let alive: HashMap<u64, u32> =
+            plan.entries.iter().zip(accepted).filter(|(e, _)| before.contains_key(&e.handle)).map(|(e, &a)| (e.handle, a)).collect();
+        self.write_states(plan, |e, row| match (alive.get(&e.handle), e.kind) {
+            (Some(_), EntryKind::Prefill { start, .. }) => Some(start + row + 1),
+            (Some(&a), EntryKind::Decode { committed }) if row <= a as usize => Some(committed + row + 1),
+            _ => None, // aborted before commit, or a rejected row
+        });
         let live: Vec<_> = plan.entries.iter().zip(accepted).filter(|(e, _)| before.contains_key(&e.handle)).collect();
         assert_eq!(out.handles.len(), live.len(), "one result per still-live planned request");
         // Acceptance: what each still-live decode entry proposed and accepted.
@@ -562,6 +652,24 @@ fn run_policy(
     costs: Option<CostsAt>,
     skew: bool,
 ) -> Vec<usize> {
+    run_full(ops, num_pages, k, budget, weak_hash, policy, draft_block_rows, costs, skew, false)
+}
+
+/// `run_policy` for a hybrid target too (`state_slots`: recurrent-state slots from the pool,
+/// prefix caching off).
+#[allow(clippy::too_many_arguments)]
+fn run_full(
+    ops: Vec<Op>,
+    num_pages: usize,
+    k: usize,
+    budget: usize,
+    weak_hash: bool,
+    policy: DraftLenPolicy,
+    draft_block_rows: usize,
+    costs: Option<CostsAt>,
+    skew: bool,
+    state_slots: bool,
+) -> Vec<usize> {
     let cfg = SchedulerConfig {
         num_pages,
         page_size: 4,
@@ -570,9 +678,10 @@ fn run_policy(
         max_model_len: 64,
         num_speculative_tokens: k,
         mask_token_id: 1,
-        enable_prefix_caching: true,
+        enable_prefix_caching: !state_slots,
         draft_len_policy: policy,
         draft_block_rows,
+        state_slots,
     };
     let s = Scheduler::new(cfg).unwrap();
     if weak_hash {
@@ -582,7 +691,8 @@ fn run_policy(
     let reserve = (k + 1).max(draft_block_rows);
     let mut dl = DraftLenRef::new(k);
     dl.skew = skew;
-    let mut h = Harness { s, dl, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, reserve, ps: 4 };
+    let mut h =
+        Harness { s, dl, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, reserve, ps: 4, state: HashMap::new() };
     let mut costs = costs;
     let mut hand_over_costs = |h: &mut Harness, now: bool| {
         if let Some((_, buckets, seconds)) = costs.take_if(|c| now || c.0 == 0) {
@@ -723,6 +833,22 @@ proptest! {
     }
 
     #[test]
+    fn hybrid_state_slots_under_page_pressure(
+        ops in prop::collection::vec(op(), 1..120),
+        pages in 12usize..44,
+        (candidates, costs) in adaptive_case(3),
+    ) {
+        let fixed = DraftLenPolicy::Fixed;
+        // Fixed K = 3 (5 slots a decoding request), plain decode (2 slots), a longer draft
+        // block, and the adaptive policy (B = 1 steps included).
+        run_full(ops.clone(), pages, 3, 24, false, fixed.clone(), 0, None, false, true);
+        run_full(ops.clone(), pages, 0, 5, false, fixed.clone(), 0, None, false, true);
+        run_full(ops.clone(), pages + 8, 3, 24, false, fixed, 8, None, false, true);
+        let adaptive = DraftLenPolicy::Adaptive { candidates };
+        run_full(ops, pages, 3, 24, false, adaptive, 0, Some(costs), true, true);
+    }
+
+    #[test]
     fn colliding_hashes_only_cost_hits(ops in prop::collection::vec(op(), 1..120), pages in 10usize..40) {
         run(ops, pages, 3, 16, true);
     }
@@ -753,8 +879,9 @@ fn shared_prefixes_hit_in_the_harness() {
         enable_prefix_caching: true,
         draft_len_policy: DraftLenPolicy::Fixed,
         draft_block_rows: 0,
+        state_slots: false,
     };
-    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), dl: DraftLenRef::new(3), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, reserve: 4, ps: 4 };
+    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), dl: DraftLenRef::new(3), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, reserve: 4, ps: 4, state: HashMap::new() };
     for op in ops {
         match op {
             Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),

@@ -36,7 +36,30 @@ prefill chunks are tiled by ``BLOCK_Q`` query rows. Keys are visited in tiles of
 causality masks entirely are never visited, and tiles entirely visible to every row run
 without masks. With ``num_splits > 1`` (flash-decoding, for batches too small to fill the
 GPU) each program handles a contiguous share of the key tiles and writes a partial
-(normalized output, log-sum-exp) in float32; a second small kernel combines them.
+(normalized output, log-sum-exp) in float32 per (split, token, head); a second small kernel
+combines them.
+
+The exact (batch-invariant) mode
+--------------------------------
+By default the split count comes from the batch (`choose_num_splits`) and the tile shape
+from the longest query, so a row's reduction order -- and its bits -- depend on the step it
+runs in: a decode row (1 row per request) and the same row inside a verify block (B rows)
+differ in bf16. ``exact=True`` makes a row's result a function of its own context only:
+
+- splits of a fixed size in keys (``split_keys``): split ``s`` always covers key tiles
+  ``[s * SPLIT_TILES, (s + 1) * SPLIT_TILES)``, whatever the grid. A row has
+  ``cdiv(its visible keys, split_keys)`` partials, and the combine reads exactly those, in
+  ascending order. Tiles a query block visits beyond a row's causal end add exact zeros to
+  that row (p = 0, alpha = 1), so a verify block's extra tiles change nothing;
+- one tile geometry (BLOCK_Q / BLOCK_M / BLOCK_N, warps, stages) whatever ``max_query_len``,
+  so every launch runs the same compiled dot instructions;
+- every tile through the masked path (no fast-path/masked-path split that moves with the
+  block's first row), and always the split variant of the kernel: a row whose keys fit in
+  one split is written by it directly, any other through partials and the combine -- by
+  its own context, whatever the grid.
+
+Cost: decode rows use a 128-row tile (memory-bound: the keys dominate), and the fp32
+partials take ``cdiv(table keys, split_keys) * T * n_heads * head_dim * 4`` bytes.
 """
 from __future__ import annotations
 
@@ -52,6 +75,11 @@ __all__ = ["store_kv", "paged_attention", "choose_num_splits"]
 _LOG2E = 1.4426950408889634
 # Most context splits per call: bounds the fp32 partial buffers (and gains nothing beyond).
 MAX_SPLITS = 32
+# Keys per split of the exact mode. Fixed (never from the batch or the table width, which
+# vary with the step and its graph bucket). Smaller: more parallelism for a lone long decode;
+# larger: fewer partial bytes for wide verify batches (a 16-row verify block writes
+# 64 / split_keys of its K/V bytes again as fp32 partials at GQA group 4). Tune on the device.
+EXACT_SPLIT_KEYS = 512
 
 
 # ----------------------------------------------------------------------------- store_kv
@@ -158,14 +186,26 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _row_splits(seq_len, q_len, row, row_ok, max_pages,
+                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fixed-size splits that a packed row's own visible keys span (0 for rows not computed)."""
+    if CAUSAL:
+        row_end = seq_len - q_len + row + 1  # a row sees keys <= its position
+    else:
+        row_end = row * 0 + seq_len
+    row_end = tl.minimum(row_end, max_pages * PAGE)
+    return tl.where(row_ok, tl.cdiv(tl.cdiv(row_end, BLOCK_N), SPLIT_TILES), 0)
+
+
 # Integer arguments that vary from step to step (grid sizes, page-table widths) are not
 # specialised (Triton would compile a new variant when one becomes 1 or a multiple of 16: a
 # compile stall of seconds in the middle of serving).
-@triton.jit(do_not_specialize=["num_q_blocks", "max_pages", "stride_bt"])
+@triton.jit(do_not_specialize=["num_q_blocks", "max_pages", "stride_bt", "part_rows"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
-    qk_scale, num_q_blocks, max_pages,
+    qk_scale, num_q_blocks, max_pages, part_rows,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
@@ -173,7 +213,7 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, ALL_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_rq = tl.program_id(0)  # request * num_q_blocks + query block
     kv_head = tl.program_id(1)
@@ -213,11 +253,20 @@ def _paged_attention_kernel(
     if not SPLIT:
         tile_lo = 0
         tile_hi = num_tiles
+    elif SPLIT_TILES > 0:
+        # Fixed-size splits: the boundaries sit at the same keys whatever the grid.
+        tile_lo = split * SPLIT_TILES
+        if tile_lo >= num_tiles:  # past this block's keys: the combine never reads it
+            return
+        tile_hi = tl.minimum(tile_lo + SPLIT_TILES, num_tiles)
     else:
         per_split = tl.cdiv(num_tiles, num_splits)
         tile_lo = tl.minimum(split * per_split, num_tiles)
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-    full_hi = tl.maximum(tl.minimum(full_end // BLOCK_N, tile_hi), tile_lo)
+    if ALL_MASKED:
+        full_hi = tile_lo
+    else:
+        full_hi = tl.maximum(tl.minimum(full_end // BLOCK_N, tile_hi), tile_lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -245,27 +294,37 @@ def _paged_attention_kernel(
             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
         )
     else:
-        # Partials are laid out by program tile: [num_splits, n_tiles_rq, n_kv, BLOCK_M(, D)].
-        # Only real rows are written (and read back): at decode most packed rows are padding,
-        # and these fp32 partials cost as many bytes as the split's K/V tiles.
-        tile_id = (split * tl.num_programs(0) + pid_rq).to(tl.int64) * tl.num_programs(1) + kv_head
+        # Partials are laid out by (split, token, head): [num_splits, part_rows, n_heads(, D)],
+        # so packed padding rows of a tile cost no memory. Only real rows are written (and
+        # read back); these fp32 partials cost as many bytes as the split's K/V tiles.
+        part_ok = row_ok
+        if SPLIT_TILES > 0:
+            # A row whose visible keys fit in split 0 is final here (the combine skips it): the
+            # same rows are final whatever the grid, and a table of one split needs no combine
+            # launch at all. (Later splits of its query block saw nothing of it: l = 0.)
+            n_row = _row_splits(seq_len, q_len, row, row_ok, max_pages, PAGE, BLOCK_N, SPLIT_TILES, CAUSAL)
+            tl.store(
+                out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                o.to(out_ptr.dtype.element_ty), mask=(tl.where(split == 0, n_row, 0) == 1)[:, None],
+            )
+            part_ok = n_row > split  # only the splits the combine reads
+        pidx = (split.to(tl.int64) * part_rows + tok) * (tl.num_programs(1) * GROUP) + head
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + tile_id * BLOCK_M + offs_m, lse, mask=row_ok)
-        tl.store(
-            part_o_ptr + (tile_id * BLOCK_M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], o,
-            mask=row_ok[:, None],
-        )
+        tl.store(part_lse_ptr + pidx, lse, mask=part_ok)
+        tl.store(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=part_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_q_blocks", "num_splits"])
+@triton.jit(do_not_specialize=["num_q_blocks", "num_splits", "part_rows", "max_pages"])
 def _combine_splits_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr,
-    num_q_blocks, num_splits,
+    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr,
+    num_q_blocks, num_splits, part_rows, max_pages,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_TILES: tl.constexpr,
 ):
-    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row)."""
+    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row).
+    SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
+    span, in ascending order, so its result does not depend on its query block's extent."""
     pid_rq = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = pid_rq // num_q_blocks
@@ -280,30 +339,38 @@ def _combine_splits_kernel(
     head = kv_head * GROUP + offs_m % GROUP
     row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
     tok = (q_start + row).to(tl.int64)
-    tiles_per_split = tl.num_programs(0).to(tl.int64) * tl.num_programs(1)
-    tile0 = pid_rq.to(tl.int64) * tl.num_programs(1) + kv_head
+    pidx0 = tok * (tl.num_programs(1) * GROUP) + head  # split 0's partial of each packed row
+    split_stride = part_rows.to(tl.int64) * (tl.num_programs(1) * GROUP)
+    if SPLIT_TILES > 0:
+        row_splits = _row_splits(tl.load(seq_lens_ptr + req), q_len, row, row_ok, max_pages,
+                                 PAGE, BLOCK_N, SPLIT_TILES, CAUSAL)
+        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
+        n_loop = tl.max(row_splits, 0)
+    else:
+        row_splits = tl.where(row_ok, num_splits, 0)
+        n_loop = num_splits
 
     lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(part_lse_ptr + (s * tiles_per_split + tile0) * BLOCK_M + offs_m,
-                      mask=row_ok, other=float("-inf"))
+    for s in range(n_loop):
+        lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse)
     lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(num_splits):
-        base = (s * tiles_per_split + tile0) * BLOCK_M
-        lse = tl.load(part_lse_ptr + base + offs_m, mask=row_ok, other=float("-inf"))
+    for s in range(n_loop):
+        use = s < row_splits
+        pidx = s * split_stride + pidx0
+        lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"))
         w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
-        o = tl.load(part_o_ptr + (base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        total += w
-        acc += w[:, None] * o
+        o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0)
+        # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
+        total = tl.where(use, total + w, total)
+        acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
     o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
 
     tl.store(
         out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
     )
 
 
@@ -320,6 +387,12 @@ def _pick_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, in
     block_m = max(16, triton.next_power_of_2(block_q * group))  # tl.dot needs M >= 16
     block_n = 64 if head_dim <= 128 else 32
     return block_q, block_m, block_n
+
+
+def _exact_blocks(group: int, head_dim: int) -> tuple[int, int, int]:
+    """The exact mode's one geometry: the prefill tile (the widest `_pick_blocks` returns),
+    whatever the step's query length, so decode, verify and prefill rows share one kernel."""
+    return _pick_blocks(_MAX_BLOCK_M, group, head_dim)
 
 
 def _launch_config(block_m: int, head_dim: int) -> tuple[int, int]:
@@ -342,7 +415,15 @@ def choose_num_splits(
     Measured on the H200 (Qwen3-8B: 8 KV heads, 16-row verify, context 1024, 64-page table):
     the best split counts were 8 / 4 / 4 / 2 / 1 at batch 1 / 4 / 8 / 16 / 32; this picks
     8 / 8 / 4 / 2 / 1. A table much wider than the contexts in it (a graph bucket sized for
-    the model's maximum length) makes it over-split small batches: size tables to need."""
+    the model's maximum length) makes it over-split small batches: size tables to need.
+
+    The count depends on the batch, so a row's reduction order moves with the step it runs
+    in. The batch-independent alternative is `paged_attention(split_keys=...)`: fixed-size
+    splits, a row's count a function of its own context (what the exact mode uses). Its
+    cost against this rule is what bench/attention_split_rule.py measures on the device:
+    fewer splits than this picks for a lone short decode, partials this would not write at
+    batch >= 32 (a 16-row verify block at GQA group 4 writes 64 / split_keys of its K/V
+    bytes as fp32 partials), and a combine launch."""
     programs = max(1, num_requests * n_kv * num_q_blocks)
     target = 2 * num_sms
     useful = max(1, -(-(max_pages * page_size) // block_n) // 2)
@@ -368,6 +449,8 @@ def paged_attention(
     max_query_len: int,
     out: Tensor | None = None,
     num_splits: int | None = None,
+    split_keys: int | None = None,
+    exact: bool = False,
 ) -> Tensor:
     """Attention of q ``[T, n_heads, head_dim]`` over each request's paged context; returns
     ``out`` ``[T, n_heads, head_dim]`` in q's dtype (only rows of requests are written).
@@ -376,7 +459,11 @@ def paged_attention(
     pass): every row sees the whole context [0, seq_len). `max_query_len` (a Python int,
     >= every request's q_len) and the tensor shapes fix the grid; `num_splits` (None: chosen
     by `choose_num_splits`) splits each context across programs, combined by a second
-    launch. Capturable in a CUDA graph: no host syncs, no value-dependent shapes."""
+    launch. `split_keys` instead splits every context into fixed runs of that many keys (a
+    multiple of the key tile: 64, or 32 for head_dim > 128). `exact=True` is the
+    batch-invariant mode (module docstring): fixed-size splits (`split_keys`, default
+    EXACT_SPLIT_KEYS), one tile geometry, so a row's bits depend on its own query, context
+    and K/V only. Capturable in a CUDA graph: no host syncs, no value-dependent shapes."""
     num_tokens, n_heads, head_dim = q.shape
     num_pages, page_size, n_kv, kv_dim = k_cache.shape
     assert v_cache.shape == k_cache.shape and kv_dim == head_dim
@@ -392,18 +479,35 @@ def paged_attention(
     if num_tokens == 0 or num_requests == 0 or max_query_len <= 0:
         return out
 
-    block_q, block_m, block_n = _pick_blocks(max_query_len, group, head_dim)
+    if exact:
+        assert num_splits is None, "the exact mode's splits come from split_keys, not a count"
+        split_keys = EXACT_SPLIT_KEYS if split_keys is None else split_keys
+        block_q, block_m, block_n = _exact_blocks(group, head_dim)
+    else:
+        assert num_splits is None or split_keys is None, "num_splits or split_keys, not both"
+        block_q, block_m, block_n = _pick_blocks(max_query_len, group, head_dim)
     num_q_blocks = triton.cdiv(max_query_len, block_q)
-    if num_splits is None:
+    split_tiles = 0  # 0: split by count
+    if split_keys is not None:
+        assert split_keys > 0 and split_keys % block_n == 0, (split_keys, block_n)
+        split_tiles = split_keys // block_n
+        # One program per run of split_keys keys the table can hold; runs past a query
+        # block's keys exit at once. Not capped: a cap would move the boundaries.
+        num_splits = triton.cdiv(triton.cdiv(max_pages * page_size, block_n), split_tiles)
+    elif num_splits is None:
         num_splits = choose_num_splits(
             num_requests, n_kv, num_q_blocks, max_pages, page_size, block_n, _num_sms(q.device)
         )
-    assert 1 <= num_splits <= MAX_SPLITS, num_splits
+    if split_tiles == 0:
+        assert 1 <= num_splits <= MAX_SPLITS, num_splits
+    # The exact mode always launches the split variant, so a row has one code path whether
+    # its table holds one split or many (a row of one split is written by the main kernel).
+    split = num_splits > 1 or exact
     grid = (num_requests * num_q_blocks, n_kv, num_splits)
-    if num_splits > 1:
-        tiles = grid[0] * n_kv * block_m
-        part_o = torch.empty((num_splits * tiles, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits * tiles,), dtype=torch.float32, device=q.device)
+    if split:
+        rows = num_splits * num_tokens * n_heads
+        part_o = torch.empty((rows, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((rows,), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused (SPLIT=False writes out directly)
     # fp32 inputs (tests, interpreter): exact fp32 products, not TF32.
@@ -412,30 +516,33 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         query_start_loc, seq_lens, page_tables,
-        scale * _LOG2E, num_q_blocks, max_pages,
+        scale * _LOG2E, num_q_blocks, max_pages, num_tokens,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         page_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal),
-        SPLIT=num_splits > 1, DOT_PRECISION=precision,
+        SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=bool(exact), DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1:  # (with one split every row was final in the main kernel)
         _combine_splits_kernel[grid[:2]](
-            out, part_o, part_lse, query_start_loc, num_q_blocks, num_splits, *out.stride(),
-            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
+            out, part_o, part_lse, query_start_loc, seq_lens,
+            num_q_blocks, num_splits, num_tokens, max_pages, *out.stride(),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+            PAGE=page_size, CAUSAL=bool(causal), SPLIT_TILES=split_tiles,
             num_warps=4,
         )
     return out
 
 
 def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.dtype,
-           device: torch.device) -> int:
+           device: torch.device, exact: bool = False) -> int:
     """Compile every variant of the attention kernels a step can meet (each query-block size
     `_pick_blocks` can choose, causal and not, with and without split contexts) on tiny
     inputs, so that no request pays a Triton compile (seconds) in the middle of serving.
-    Returns the number of variants launched. Compiles are cached on disk by Triton, so only
-    a machine's first start pays for them."""
+    `exact`: the exact mode's variants instead (one geometry: causal and not). Returns the
+    number of variants launched. Compiles are cached on disk by Triton, so only a machine's
+    first start pays for them."""
     group = n_heads // n_kv
     q_lens, q = [], 1
     while True:  # one query length per BLOCK_Q that _pick_blocks can return
@@ -449,6 +556,14 @@ def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.
     table = torch.arange(pages, dtype=torch.int32, device=device)[None]
     seq_len = pages * page_size
     n = 0
+    if exact:
+        qt = torch.zeros(1, n_heads, head_dim, dtype=dtype, device=device)
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        for causal in (True, False):
+            paged_attention(qt, kc, vc, qsl, lens, table, 1.0, causal, 1, exact=True)
+            n += 1
+        return n
     for q_len in q_lens:
         qt = torch.zeros(q_len, n_heads, head_dim, dtype=dtype, device=device)
         qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)

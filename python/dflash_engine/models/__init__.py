@@ -2,8 +2,9 @@
 from .config import DraftConfig, ModelConfig, validate_draft_against_target
 from .dflash import DFlashDraftModel
 from .llama import LlamaForCausalLM
-from .loader import load_draft, load_target
+from .loader import load_draft
 from .qwen3 import Qwen3ForCausalLM
+from .targets import load_target
 
 __all__ = [
     "DFlashDraftModel",

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..ops.attention import dead_positions
 from ..ops.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
 
 SUPPORTED_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
@@ -70,6 +71,36 @@ def _check_full_attention(d: dict[str, Any], what: str) -> None:
             f"{what} has layer_types {other} (e.g. sliding-window attention); "
             "only 'full_attention' layers are supported"
         )
+
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+DRAFT_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+def _draft_layer_types(d: dict[str, Any], num_layers: int) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) of a draft config: every layer "full_attention" or
+    "sliding_attention", one per layer; a sliding layer needs `sliding_window` >= 1. As in
+    transformers' Qwen3Config, `use_sliding_window: false` turns the window off (sliding_window
+    None: the sliding layers attend to everything); an absent flag keeps it on."""
+    layer_types = list(d.get("layer_types") or [FULL_ATTENTION] * num_layers)
+    unknown = sorted(set(layer_types) - set(DRAFT_LAYER_TYPES))
+    if unknown or len(layer_types) != num_layers:
+        raise ValueError(
+            f"DFlash draft layer_types must name {num_layers} layers (num_hidden_layers), each "
+            f"{' or '.join(map(repr, DRAFT_LAYER_TYPES))}; got {len(layer_types)}"
+            + (f" with unknown types {unknown}" if unknown else "")
+        )
+    window = d.get("sliding_window")
+    if SLIDING_ATTENTION not in layer_types:
+        return layer_types, None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"DFlash draft has sliding_attention layers but sliding_window is {window!r}; "
+            "it must be an integer >= 1"
+        )
+    if d.get("use_sliding_window") is False:
+        window = None
+    return layer_types, window
 
 
 def _first_id(value: Any) -> int | None:
@@ -164,10 +195,26 @@ class DraftConfig(ModelConfig):
     mask_token_id: int = 0
     target_layer_ids: list[int] = field(default_factory=list)
     num_target_layers: int = 0
+    layer_types: list[str] = field(default_factory=list)  # per layer: full_attention / sliding_attention
+    sliding_window: int | None = None  # keys a sliding layer's query at p sees: [p - window + 1, p + window - 1]
 
     @property
     def qk_norm(self) -> bool:
         return True
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer: its attention window (None: full attention)."""
+        types = self.layer_types or [FULL_ATTENTION] * self.num_hidden_layers
+        return [self.sliding_window if t == SLIDING_ATTENTION else None for t in types]
+
+    def dead_context_positions(self, committed: int) -> int:
+        """How many leading draft-context positions of a request with `committed` tokens no
+        draft layer reads again: the next draft block's first query sits at `committed`, and
+        `committed` never decreases, so a position below every layer's window start
+        (ops.attention.window_start) is dead for good. 0 while any layer is full attention;
+        per layer group (e.g. only the sliding layers), `dead_positions(committed, windows)`."""
+        return dead_positions(committed, self.layer_windows)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
@@ -176,7 +223,6 @@ class DraftConfig(ModelConfig):
             raise ValueError(
                 f"unsupported draft architecture {architecture!r}; supported: {DRAFT_ARCHITECTURE}"
             )
-        _check_full_attention(d, "DFlash draft")
         dflash = d.get("dflash_config") or {}
         block_size = dflash.get("block_size", d.get("block_size"))
         mask_token_id = dflash.get("mask_token_id", d.get("mask_token_id"))
@@ -191,8 +237,11 @@ class DraftConfig(ModelConfig):
         layer_ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
         if layer_ids is None:
             layer_ids = default_target_layer_ids(num_target_layers, kw["num_hidden_layers"])
+        layer_types, window = _draft_layer_types(d, kw["num_hidden_layers"])
         return cls(
             **kw,
+            layer_types=layer_types,
+            sliding_window=window,
             tie_word_embeddings=False,
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
@@ -237,19 +286,33 @@ def draft_config_dict(
     torch_dtype: str = "float32",
     initializer_range: float = 0.02,
     validate: bool = True,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    attention: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """config.json of a DFlash draft in the published layout (DFlashDraftModel, Qwen3-style
     layers, block_size at the top, dflash_config {mask_token_id, target_layer_ids}) with
     `num_layers` layers of the target's width, heads, RoPE and vocabulary. This is the one
     writer of draft configs: the trainer's export, random checkpoints and test drafts all use it.
 
-    `target` is the target's config.json dict (or its parsed ModelConfig); taps default to
+    `target` is the target's config.json dict (or its parsed ModelConfig: a hybrid target's
+    HybridConfig); taps default to
     default_target_layer_ids. `validate` refuses a draft the target cannot run (taps outside
     it, a mask token outside its vocabulary); tests that write broken drafts on purpose turn
-    it off."""
+    it off.
+
+    `layer_types` (default: every layer "full_attention") with `sliding_window` writes a draft
+    whose "sliding_attention" layers attend within that window (use_sliding_window true, as
+    transformers' Qwen3Config needs to keep it). `attention` overrides the target's
+    num_attention_heads / num_key_value_heads / head_dim / intermediate_size: a hybrid
+    target's drafts are Qwen3-style layers of their own shape (head_dim 128, full RoPE)."""
     t = target if isinstance(target, ModelConfig) else ModelConfig.from_dict(target)
     taps = (default_target_layer_ids(t.num_hidden_layers, num_layers) if target_layer_ids is None
             else [int(i) for i in target_layer_ids])
+    types = list(layer_types) if layer_types is not None else [FULL_ATTENTION] * num_layers
+    sliding = SLIDING_ATTENTION in types
+    shape = {"num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+             "head_dim": t.head_dim, "intermediate_size": t.intermediate_size, **(attention or {})}
     cfg = {
         "architectures": [DRAFT_ARCHITECTURE],
         "attention_bias": False,
@@ -258,27 +321,27 @@ def draft_config_dict(
         "bos_token_id": t.raw.get("bos_token_id"),
         "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": taps},
         "eos_token_id": t.raw.get("eos_token_id"),
-        "head_dim": t.head_dim,
+        "head_dim": shape["head_dim"],
         "hidden_act": "silu",
         "hidden_size": t.hidden_size,
         "initializer_range": initializer_range,
-        "intermediate_size": t.intermediate_size,
-        "layer_types": ["full_attention"] * num_layers,
+        "intermediate_size": shape["intermediate_size"],
+        "layer_types": types,
         "max_position_embeddings": t.max_position_embeddings,
         "max_window_layers": num_layers,
         "model_type": "qwen3",
-        "num_attention_heads": t.num_attention_heads,
+        "num_attention_heads": shape["num_attention_heads"],
         "num_hidden_layers": num_layers,
-        "num_key_value_heads": t.num_key_value_heads,
+        "num_key_value_heads": shape["num_key_value_heads"],
         "num_target_layers": t.num_hidden_layers,
         "rms_norm_eps": t.rms_norm_eps,
         "rope_scaling": t.rope_scaling,
         "rope_theta": t.rope_theta,
-        "sliding_window": None,
+        "sliding_window": sliding_window if sliding else None,
         "tie_word_embeddings": False,
         "torch_dtype": torch_dtype,
         "use_cache": True,
-        "use_sliding_window": False,
+        "use_sliding_window": sliding,
         "vocab_size": t.vocab_size,
     }
     if validate:

@@ -13,12 +13,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .. import envs
 from .config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
 from .dflash import DFlashDraftModel
-from .layers import batch_invariant_from_env, set_batch_invariant
+from .layers import set_batch_invariant
 from .llama import LlamaForCausalLM
 from .packed import checkpoint_shards
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_5_config import HybridConfig, is_hybrid_config
 
 TARGET_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM}
 
@@ -49,6 +51,9 @@ def safetensors_files(path: str | Path) -> list[Path]:
 def _ignorable(name: str, model: nn.Module) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
+    ignores = getattr(model, "ignores_checkpoint_tensor", None)  # e.g. a vision tower (qwen3_5.py)
+    if ignores is not None and ignores(name):
+        return True
     # Tied checkpoints sometimes still store lm_head; the embedding is the source of truth.
     return name == "lm_head.weight" and getattr(model, "lm_head", 0) is None
 
@@ -57,7 +62,8 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     """Fill `model`'s parameters from Hugging Face safetensors files. Packed parameters
     (packed.py) are filled shard by shard; errors name the checkpoint tensor."""
     params = dict(model.named_parameters())
-    shards = checkpoint_shards(params.items(), model.config)
+    own = getattr(model, "checkpoint_shards", None)  # a model with its own checkpoint layout (qwen3_5.py)
+    shards = own() if own is not None else checkpoint_shards(params.items(), model.config)
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
@@ -93,14 +99,20 @@ def _build(cls, cfg, path, dtype: torch.dtype, device, batch_invariant: bool | N
         model = cls(cfg)
     model = model.to(dtype).to_empty(device=device)
     load_weights(model, safetensors_files(path))
-    set_batch_invariant(model, batch_invariant_from_env() if batch_invariant is None else batch_invariant)
+    set_batch_invariant(model, envs.batch_invariant() if batch_invariant is None else batch_invariant)
     return model.eval().requires_grad_(False)
+
+
+def target_config(d: dict) -> ModelConfig:
+    """A target's parsed config.json: a HybridConfig for hybrid (Qwen3.5) targets (which
+    models.targets.load_target loads; this module's load_target loads dense ones)."""
+    return HybridConfig.from_dict(d) if is_hybrid_config(d) else ModelConfig.from_dict(d)
 
 
 def load_target(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu",
                 batch_invariant: bool | None = None) -> nn.Module:
     """batch_invariant: CPU GEMMs in the exact mode (a row's bits never depend on its batch);
-    None: from $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT (default off: plain F.linear)."""
+    None: `envs.batch_invariant()` (default off: plain GEMMs). The engine passes its resolved flag."""
     cfg = ModelConfig.from_dict(read_config(path))
     return _build(TARGET_CLASSES[cfg.architecture], cfg, path, resolve_dtype(dtype, cfg.torch_dtype, device), device,
                   batch_invariant)

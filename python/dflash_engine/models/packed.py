@@ -38,12 +38,14 @@ def packed_shards(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
 
 
 def checkpoint_shards(
-    params: Iterable[tuple[str, Tensor]], cfg: ModelConfig
+    params: Iterable[tuple[str, Tensor]], cfg: ModelConfig,
+    packing: dict[str, tuple[str, int, int]] | None = None,
 ) -> dict[str, tuple[str, int, int]]:
     """Every checkpoint tensor name that (parameter name, tensor) pairs load from ->
-    (parameter name, first row, rows). Unpacked parameters map to themselves, whole."""
+    (parameter name, first row, rows). Unpacked parameters map to themselves, whole.
+    `packing`: a model's own packed_shards-style map (default: packed_shards(cfg))."""
     by_merged: dict[str, list[tuple[str, int, int]]] = {}
-    for ckpt_module, (merged, start, rows) in packed_shards(cfg).items():
+    for ckpt_module, (merged, start, rows) in (packed_shards(cfg) if packing is None else packing).items():
         by_merged.setdefault(merged, []).append((ckpt_module, start, rows))
     out: dict[str, tuple[str, int, int]] = {}
     for name, tensor in params:

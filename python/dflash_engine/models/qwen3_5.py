@@ -191,7 +191,10 @@ class Qwen3_5ForCausalLM(CausalLM):
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         qsl, _ = meta.host_lists()
-        step = HybridStep(cos, sin, meta, state_meta, qsl, state_meta.per_token(qsl))
+        # The exact mode runs every sequence per token: a token's state then never depends on
+        # how the engine split the sequence into chunks and steps (the chunked form's does).
+        per_token = [True] * (len(qsl) - 1) if self.batch_invariant else state_meta.per_token(qsl)
+        step = HybridStep(cos, sin, meta, state_meta, qsl, per_token)
         caches = iter(kv.target)
         gdn_caches = iter(zip(state.conv, state.recurrent))
         wanted, tapped = set(tap_layers or ()), {}

@@ -32,6 +32,41 @@ class AttentionMetadata:
         return self.query_start_loc_cpu, self.seq_lens_cpu
 
 
+# ------------------------------------------------------------------- sliding windows
+# A layer with window W (a DFlash draft's "sliding_attention" layers) lets a query at position
+# p see the keys at positions [p - W + 1, p + W - 1] (within what the mask allows otherwise:
+# causal [0, p], non-causal [0, seq_len)). This is transformers' reading: its masks keep
+# `kv_idx > q_idx - sliding_window` (masking_utils.sliding_window_overlay: W keys up to and
+# including p), and its flash-attention path, the one the DFlash reference drafts run
+# non-causally, passes window_size=(W - 1, W - 1), which also caps the keys after p at
+# p + W - 1 (only block rows lie after p, so a window >= the block size never cuts them).
+
+
+def window_start(position: int, window: int | None) -> int:
+    """The first key position a query at `position` reads under `window` (None: 0)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def dead_positions(committed: int, windows) -> int:
+    """Leading context positions that layers with `windows` (None: full attention) never read
+    again once a request has `committed` tokens: its next query (the draft block's first row)
+    sits at `committed` and later ones only further on. The minimum over the layers."""
+    return min((window_start(committed, w) for w in windows), default=0)
+
+
+def _window_mask(q_pos: Tensor, k_pos: Tensor, causal: bool, window: int | None) -> Tensor | None:
+    """[Q, S] bool: which keys each query row sees; None when it sees all of them."""
+    if not causal and window is None:
+        return None
+    d = k_pos[None, :] - q_pos[:, None]  # key minus query position
+    mask = torch.ones_like(d, dtype=torch.bool)
+    if causal:
+        mask &= d <= 0
+    if window is not None:
+        mask &= (d > -window) & (d < window)
+    return mask
+
+
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Scatter rows k, v [T, n_kv, head_dim] into caches [num_pages, page_size, n_kv, head_dim]."""
     n_kv, head_dim = k_cache.shape[-2:]
@@ -39,17 +74,21 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: Tensor, page_table: Tensor, seq_len: int) -> Tensor:
-    """Positions [0, seq_len) of one request: [seq_len, n_kv, head_dim]."""
+def gather_kv(cache: Tensor, page_table: Tensor, seq_len: int, first: int = 0) -> Tensor:
+    """Positions [first, seq_len) of one request: [seq_len - first, n_kv, head_dim]. Pages
+    wholly before `first` are not read."""
     page_size = cache.shape[1]
-    pages = page_table[: -(-seq_len // page_size)].long()
-    return cache[pages].flatten(0, 1)[:seq_len]
+    first_page = first // page_size
+    pages = page_table[first_page: -(-seq_len // page_size)].long()
+    return cache[pages].flatten(0, 1)[first - first_page * page_size: seq_len - first_page * page_size]
 
 
 def paged_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+    window: int | None = None,
 ) -> Tensor:
-    """q [T, n_heads, head_dim] -> [T, n_heads, head_dim]; softmax in float32."""
+    """q [T, n_heads, head_dim] -> [T, n_heads, head_dim]; softmax in float32. `window`: the
+    layer's sliding window (see window_start); keys before the first row's window are not read."""
     n_heads = q.shape[1]
     out = torch.empty_like(q)
     qsl, seq_lens = meta.host_lists()
@@ -59,17 +98,18 @@ def paged_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, meta.page_tables[r], seq_len).float()
-        v = gather_kv(v_cache, meta.page_tables[r], seq_len).float()
+        first = window_start(seq_len - q_len, window)
+        k = gather_kv(k_cache, meta.page_tables[r], seq_len, first).float()
+        v = gather_kv(v_cache, meta.page_tables[r], seq_len, first).float()
         groups = n_heads // k.shape[1]
         k = k.repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, S, D]
         v = v.repeat_interleave(groups, dim=1).transpose(0, 1)
         qr = q[start:end].float().transpose(0, 1)  # [H, Q, D]
         scores = torch.matmul(qr, k.transpose(1, 2)) * scale  # [H, Q, S]
-        if meta.causal:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        mask = _window_mask(torch.arange(seq_len - q_len, seq_len, device=q.device),
+                            torch.arange(first, seq_len, device=q.device), meta.causal, window)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
     return out
@@ -80,14 +120,16 @@ def paged_attention(
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)  # enable_gqa
 
 
-def _sdpa_plan(meta: AttentionMetadata, page_size: int, device
+def _sdpa_plan(meta: AttentionMetadata, page_size: int, device, window: int | None = None
                ) -> list[tuple[int, int, Tensor | slice, Tensor | None]]:
-    """Per request with query rows: (first row, end row, slots of positions [0, seq_len) (a
-    slice when its pages are consecutive), causal mask [q_len, seq_len] or None). Built once per step (cached on `meta`) and shared
-    by every layer."""
-    cached = meta.__dict__.get("_sdpa_plan")
-    if cached is not None and cached[0] == page_size:
-        return cached[1]
+    """Per request with query rows: (first row, end row, slots of the positions it reads,
+    [window_start of its first row, seq_len) (a slice when their pages are consecutive), mask
+    [q_len, keys] or None). Built once per step and window (cached on `meta`) and shared by
+    every layer of that window."""
+    plans = meta.__dict__.setdefault("_sdpa_plans", {})
+    cached = plans.get((page_size, window))
+    if cached is not None:
+        return cached
     qsl, seq_lens = meta.host_lists()
     offsets = torch.arange(page_size, device=device)
     plan = []
@@ -95,24 +137,27 @@ def _sdpa_plan(meta: AttentionMetadata, page_size: int, device
         start, end = qsl[r], qsl[r + 1]
         if end == start:
             continue
-        pages = meta.page_tables[r, : -(-seq_len // page_size)].long()
+        q_len = end - start
+        lo = window_start(seq_len - q_len, window)
+        pages = meta.page_tables[r, lo // page_size: -(-seq_len // page_size)].long()
+        base, n = lo - lo // page_size * page_size, seq_len - lo
         first = int(pages[0])
         if bool((pages == torch.arange(first, first + len(pages), device=device)).all()):
-            slots = slice(first * page_size, first * page_size + seq_len)  # consecutive pages: a view
+            slots = slice(first * page_size + base, first * page_size + base + n)  # consecutive pages: a view
         else:
-            slots = (pages[:, None] * page_size + offsets).flatten()[:seq_len]
+            slots = (pages[:, None] * page_size + offsets).flatten()[base: base + n]
         mask = None
-        q_len = end - start
-        if meta.causal and q_len > 1:  # a query row sees keys up to its own position
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        if q_len > 1 or window is not None:
+            mask = _window_mask(torch.arange(seq_len - q_len, seq_len, device=device),
+                                torch.arange(lo, seq_len, device=device), meta.causal, window)
         plan.append((start, end, slots, mask))
-    meta.__dict__["_sdpa_plan"] = (page_size, plan)
+    plans[(page_size, window)] = plan
     return plan
 
 
 def paged_attention_sdpa(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+    window: int | None = None,
 ) -> Tensor:
     """The same attention as `paged_attention`, for the fast CPU mode: torch's fused
     scaled_dot_product_attention per request (GQA without repeating K/V), the gather
@@ -120,7 +165,7 @@ def paged_attention_sdpa(
     batch-invariant by contract): the exact mode uses `paged_attention`."""
     n_kv, head_dim = k_cache.shape[-2:]
     kf, vf = k_cache.view(-1, n_kv, head_dim), v_cache.view(-1, n_kv, head_dim)
-    plan = _sdpa_plan(meta, k_cache.shape[1], q.device)
+    plan = _sdpa_plan(meta, k_cache.shape[1], q.device, window)
     out = torch.empty_like(q) if len(plan) != 1 or plan[0][1] - plan[0][0] != q.shape[0] else None
     for start, end, slots, mask in plan:
         if isinstance(slots, slice):

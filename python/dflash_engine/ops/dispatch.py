@@ -11,9 +11,10 @@ padded decode step) on a machine without a GPU.
 """
 from __future__ import annotations
 
-import os
-
+import torch
 from torch import Tensor
+
+from .. import envs
 
 from . import activation as _act
 from . import attention as _attn
@@ -22,23 +23,36 @@ from . import norm as _norm
 from . import rotary as _rot
 from . import sampling as _sampling
 
-_REFERENCE_ON_GPU = os.environ.get("DFLASH_REFERENCE_OPS", "") == "1"
-
-
 def kernels_on_cpu() -> bool:
-    return os.environ.get("DFLASH_KERNELS_ON_CPU", "") == "1"
+    return envs.kernels_on_cpu()
 
 
 def use_kernels(x: Tensor) -> bool:
     if x.is_cuda:
-        return not _REFERENCE_ON_GPU
-    return kernels_on_cpu()
+        return not envs.reference_ops_on_gpu()
+    return envs.kernels_on_cpu()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, batch_invariant: bool) -> Tensor:
-    """x @ weight.T (+ bias). `batch_invariant`: the model's exact-mode flag (ops/linear.py);
-    GEMMs are cuBLAS / BLAS on every device (no Triton GEMM)."""
+    """x @ weight.T (+ bias). `batch_invariant`: the model's exact-mode flag. The exact mode
+    on the kernel path is the fixed-tile Triton GEMM (kernels/gemm.py: cuBLAS tiles by M);
+    otherwise ops/linear.py (cuBLAS / BLAS; the CPU exact mode's 16-row blocks)."""
+    if batch_invariant and use_kernels(x):
+        from ..kernels import gemm
+
+        return gemm.matmul(x, weight, bias)
     return _lin.linear(x, weight, bias, batch_invariant)
+
+
+def logits(hidden: Tensor, weight: Tensor, batch_invariant: bool) -> Tensor:
+    """Float32 logits hidden @ weight.T. The exact mode on the kernel path accumulates and
+    returns float32 straight from the GEMM (one rounding, the same for every row);
+    otherwise `linear` in the hidden's dtype, then widened."""
+    if batch_invariant and use_kernels(hidden):
+        from ..kernels import gemm
+
+        return gemm.matmul(hidden, weight, None, out_dtype=torch.float32)
+    return _lin.linear(hidden, weight, None, batch_invariant).float()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -89,16 +103,24 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
         _attn.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _attn.AttentionMetadata, scale: float
-                    ) -> Tensor:
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _attn.AttentionMetadata, scale: float,
+                    batch_invariant: bool = False, window: int | None = None) -> Tensor:
+    """`batch_invariant`: the model's exact-mode flag: the kernel's fixed-size context splits
+    and single geometry (kernels/attention.py). The reference loop is per request already.
+    `window`: a sliding-window layer's window (ops/attention.py window_start); None: full."""
     if use_kernels(q):
         from ..kernels import attention
 
+        if window is not None:
+            raise NotImplementedError(
+                f"sliding-window attention (window {window}) has no Triton kernel yet; run this "
+                "draft on the reference ops (DFLASH_REFERENCE_OPS=1 on a GPU, or on the CPU)")
+
         return attention.paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables, scale,
-            meta.causal, meta.max_query_len,
+            meta.causal, meta.max_query_len, exact=batch_invariant,
         )
-    return _attn.paged_attention(q, k_cache, v_cache, meta, scale)
+    return _attn.paged_attention(q, k_cache, v_cache, meta, scale, window)
 
 
 def sample(logits: Tensor, st: _sampling.SamplingTensors, all_greedy: bool) -> Tensor:

@@ -86,6 +86,14 @@ class _EngineStatsCollector:
         for pos, n in enumerate(s.spec_accepted_per_pos):
             per_pos.add_metric([self.model_name, str(pos), self.acceptance], float(n))
         yield per_pos
+        chosen = CounterMetricFamily(
+            "dflash:draft_length_chosen",
+            "Engine steps with decoding requests, by the number of drafts K they verified (0: no draft pass).",
+            labels=["model_name", "k"],
+        )
+        for k, n in sorted(s.spec_draft_len_counts.items()):
+            chosen.add_metric([self.model_name, str(k)], float(n))
+        yield chosen
 
 
 class ServerMetrics:

@@ -2,6 +2,8 @@
 
 Draft layers use the same page ids and slot mapping as the target, so the draft context of a
 request is always exactly the target's committed positions. Page 0 is the null page.
+A hybrid target has KV for its attention layers only; its GDN layers' state slots are views
+into the same pages (`state`, set by state_pool.state_views).
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from ..models.config import DraftConfig, ModelConfig, resolve_dtype
 
 
 def _layer_shapes(target_cfg: ModelConfig, draft_cfg: DraftConfig | None) -> tuple[list, list]:
-    target = [(target_cfg.num_key_value_heads, target_cfg.head_dim)] * target_cfg.num_hidden_layers
+    ids = getattr(target_cfg, "attention_layer_ids", None)  # a hybrid target: its attention layers
+    n = target_cfg.num_hidden_layers if ids is None else len(ids)
+    target = [(target_cfg.num_key_value_heads, target_cfg.head_dim)] * n
     draft = [] if draft_cfg is None else (
         [(draft_cfg.num_key_value_heads, draft_cfg.head_dim)] * draft_cfg.num_hidden_layers
     )
@@ -31,6 +35,7 @@ class KVCache:
         self.draft = draft
         self.num_pages = num_pages
         self.page_size = page_size
+        self.state = None  # a hybrid target's HybridState: views into these pages (state_pool.py)
 
     @staticmethod
     def bytes_per_page(

@@ -33,7 +33,8 @@ def size_pool(total: int, in_use: int, peak_activation: int, utilization: float,
 
 def cpu_pool_pages(budget_bytes: int, bytes_per_page: int, max_num_seqs: int, pages_per_seq: int) -> int:
     """CPU: pages (null page included) in a byte budget (`DFLASH_CPU_KV_CACHE_GB`), capped by
-    what `max_num_seqs` full-length requests can ever use."""
+    what `max_num_seqs` full-length requests can ever use (`pages_per_seq`: KV pages and, for a
+    hybrid target, state slots of one)."""
     return min(budget_bytes // bytes_per_page, max_num_seqs * pages_per_seq + 1)
 
 
@@ -59,11 +60,25 @@ class MemoryReport:
     graph_bytes: int = 0  # what capture took (measured after it)
     profile_tokens: int = 0  # the profile step: target rows ...
     profile_sample_rows: int = 0  # ... and sampled rows
+    # A hybrid target: state slots (pages of the same pool, worker/state_pool.py) one decoding
+    # request holds, and the bytes of one slot's state (unpadded; it lives inside one page).
+    state_slots_per_seq: int = 0
+    state_bytes_per_slot: int = 0
 
     @property
     def pages_per_seq(self) -> int:
         """Pages one request of max_model_len holds at most (the core's admission bound)."""
         return _core.pages_per_seq(self.max_model_len, self.reserve_rows, self.page_size)
+
+    @property
+    def seq_pages(self) -> int:
+        """Pages of the pool one full-length request holds: KV pages and state slots."""
+        return self.pages_per_seq + self.state_slots_per_seq
+
+    @property
+    def state_bound(self) -> bool:
+        """Whether state slots, not KV, cap the concurrency (they are most of a request's pages)."""
+        return self.state_slots_per_seq > self.pages_per_seq
 
     @property
     def usable_pages(self) -> int:
@@ -80,12 +95,12 @@ class MemoryReport:
     @property
     def max_concurrency(self) -> float:
         """Full-length requests (max_model_len) the pool holds at once."""
-        return self.usable_pages / self.pages_per_seq
+        return self.usable_pages / self.seq_pages
 
     def check_holds_one_request(self) -> None:
         """Startup refuses a pool that cannot hold one request of max_model_len: such a request
         would be admitted by no scheduler, ever."""
-        need = self.pages_per_seq
+        need = self.seq_pages
         if self.usable_pages >= need:
             return
         override = f"set --num-gpu-blocks-override to at least {need}"
@@ -99,7 +114,8 @@ class MemoryReport:
         raise ValueError(
             f"the KV cache holds {self.usable_pages} pages ({self.num_tokens} tokens; {self.source}) but one "
             f"request of --max-model-len {self.max_model_len} needs {need} pages of {self.page_size} tokens "
-            f"(verify block included): {fix}" + (f". {budget}" if budget else ""))
+            f"(verify block{' and state slots' if self.state_slots_per_seq else ''} included): {fix}"
+            + (f". {budget}" if budget else ""))
 
     @property
     def budget_bytes(self) -> int | None:
@@ -127,8 +143,18 @@ class MemoryReport:
             f"{_size(self.kv_bytes)} ({_size(self.bytes_per_page)}/page, target + draft K/V); sized by {self.source}",
             self.budget_line(),
             f"max concurrency at --max-model-len {self.max_model_len}: {self.max_concurrency:.2f} requests "
-            f"({self.pages_per_seq} pages each; --max-num-seqs {self.max_num_seqs})",
+            f"({self.seq_pages} pages each; --max-num-seqs {self.max_num_seqs})",
         ]
+        if self.state_slots_per_seq:
+            lines[1:1] = [
+                f"state slots: pages of the same pool, {self.usable_pages} in all; one slot holds "
+                f"{_size(self.state_bytes_per_slot)} of recurrent state (every GDN layer) in a "
+                f"{_size(self.bytes_per_page)} page; a decoding request holds {self.state_slots_per_seq} slots "
+                f"({_size(self.state_slots_per_seq * self.bytes_per_page)}) and {self.pages_per_seq} KV pages"]
+            if self.state_bound:
+                lines.append(f"concurrency is capped by state slots, not KV: {self.state_slots_per_seq} of the "
+                             f"{self.seq_pages} pages a request holds are state slots (fewer speculative tokens "
+                             "need fewer)")
         return [line for line in lines if line]
 
 
@@ -158,16 +184,18 @@ def peak_bytes(device: torch.device, fn) -> int | None:
     return torch.cuda.max_memory_reserved(device) - base
 
 
-def size_kv_pool(rc, bytes_per_page: int, profile, graphs: bool) -> MemoryReport:
+def size_kv_pool(rc, bytes_per_page: int, profile, graphs: bool, state_bytes_per_slot: int = 0) -> MemoryReport:
     """Pages in the pool, null page included, and how they were decided.
 
     CUDA: `profile()` runs the largest steps and returns their peak growth (eager step,
     decode-graph step or None), then vLLM's budget (`size_pool`). CPU: a byte budget.
     `num_gpu_blocks_override` wins over both (the profile still runs on CUDA: it also proves
-    at startup that the largest step fits). `rc`: the RuntimeConfig."""
+    at startup that the largest step fits). `rc`: the RuntimeConfig. A hybrid target's state
+    slots are pages of the same pool (`state_bytes_per_slot`: what one holds, for the report)."""
+    slots = _core.state_slots_per_seq(rc.num_speculative_tokens) if getattr(rc, "hybrid", False) else 0
     report = MemoryReport(device=rc.device.type, num_pages=0, page_size=rc.page_size, bytes_per_page=bytes_per_page,
                           max_model_len=rc.max_model_len, reserve_rows=rc.reserve_rows, max_num_seqs=rc.max_num_seqs,
-                          source="")
+                          source="", state_slots_per_seq=slots, state_bytes_per_slot=state_bytes_per_slot)
     if rc.device.type == "cuda":
         # Memory cached by torch for engines already dropped in this process counts as free.
         gc.collect()
@@ -188,7 +216,7 @@ def size_kv_pool(rc, bytes_per_page: int, profile, graphs: bool) -> MemoryReport
         report.source = f"--gpu-memory-utilization {rc.gpu_memory_utilization}"
     else:
         budget = rc.cpu_kv_cache_bytes
-        report.num_pages = cpu_pool_pages(budget, bytes_per_page, rc.max_num_seqs, report.pages_per_seq)
+        report.num_pages = cpu_pool_pages(budget, bytes_per_page, rc.max_num_seqs, report.seq_pages)
         report.source = rc.cpu_kv_cache_source
         if report.num_pages < budget // bytes_per_page:
             report.source = f"--max-num-seqs {rc.max_num_seqs} full-length requests (within {report.source})"

@@ -6,6 +6,11 @@ decode graphs (they bake in the pool's addresses). Each engine step then `launch
 step's device work (a captured graph for a pure-decode plan, else the eager step; both run
 `step.run_step`) and `wait`s for its results: (accepted drafts per plan entry, sampled token
 per sample row). The step crosses to the core once each way: the plan in, results out.
+
+A hybrid target (Qwen3.5: GDN + attention layers) keeps its recurrent state in slots that are
+pages of the same pool (worker/state_pool.py: views into the KV tensors; the core owns and
+counts them). It runs eager steps only for now (no decode graphs) and without the fast CPU
+backend (torch reference layers).
 """
 from __future__ import annotations
 
@@ -20,10 +25,12 @@ from ..cpu import install as install_cpu_backend
 from ..models import load_draft, load_target
 from ..ops.dispatch import use_kernels
 from ..runtime_config import RuntimeConfig
+from . import step_costs
 from .graph_runner import GraphRunner, batch_buckets
 from .in_flight import InFlight
 from .kv_cache import KVCache
 from .memory import MemoryReport, peak_bytes, size_kv_pool
+from .state_pool import layout, state_views
 from .step import StepInputs, StepModels, run_step
 from .step_timer import StepTimer
 
@@ -38,8 +45,14 @@ class ModelRunner:
         draft = None
         if rc.draft_path is not None:
             draft = load_draft(rc.draft_path, rc.model_config, rc.dtype, rc.device, batch_invariant=rc.batch_invariant)
-        for line in install_cpu_backend(target, draft, rc.cpu_weights):
-            logger.info(line)
+        self.state_layout = None
+        if rc.hybrid:
+            self.state_layout = layout(rc.model_config, rc.draft_config, rc.page_size, rc.dtype)
+            logger.info("hybrid target: eager steps (no decode graphs, no fast CPU backend); %d GDN layers' "
+                        "state in slots of the KV pool", len(rc.model_config.gdn_layer_ids))
+        else:
+            for line in install_cpu_backend(target, draft, rc.cpu_weights):
+                logger.info(line)
         rates = None if rc.synthetic_rates is None else torch.tensor(rc.synthetic_rates, dtype=torch.float64,
                                                                      device=rc.device)
         self.models = StepModels(target=target, draft=draft, kv=None, tap_layers=list(rc.tap_layers or []) or None,
@@ -49,7 +62,7 @@ class ModelRunner:
         # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each, one
         # runner per verify block B (several with a draft-length schedule).
         self.graphs: dict[int, GraphRunner] = {}
-        if use_kernels(target.model.embed_tokens.weight):
+        if use_kernels(target.model.embed_tokens.weight) and not rc.hybrid:
             width = _core.pages_per_seq(rc.max_model_len, rc.reserve_rows, rc.page_size)
             for k in rc.draft_lengths:  # the longest block first: it sizes the shared graph pool
                 self.graphs[k + 1] = GraphRunner(
@@ -57,7 +70,8 @@ class ModelRunner:
                     max_num_seqs=rc.max_num_seqs, page_table_width=width, enforce_eager=rc.enforce_eager,
                     capture_buckets=self._buckets_for(k), device=rc.device)
         capturing = any(not g.enforce_eager for g in self.graphs.values())
-        self.memory: MemoryReport = size_kv_pool(rc, self.bytes_per_page, self.profile, capturing)
+        self.memory: MemoryReport = size_kv_pool(rc, self.bytes_per_page, self.profile, capturing,
+                                                 self.state_layout.bytes_per_slot if self.state_layout else 0)
         self.memory.check_holds_one_request()
         self.num_pages = self.memory.num_pages
         self.models.kv = self._allocate(self.num_pages)
@@ -78,6 +92,12 @@ class ModelRunner:
                            self.memory.graph_reserve_bytes / 2**20)
         for line in self.memory.lines():
             logger.info(line)
+        # The adaptive draft-length policy's cost model: each (batch bucket, K) step, timed.
+        self.step_costs: step_costs.StepCosts | None = None
+        if rc.draft_len_policy == "adaptive":
+            self.step_costs = step_costs.measure(self, list(rc.draft_len_candidates))
+            logger.info("adaptive draft length over K in %s: %s", list(rc.draft_len_candidates),
+                        self.step_costs.summary())
         self.step_timer.reset()  # the profile and capture steps are no engine steps
 
     # ---- setup ------------------------------------------------------------------------------
@@ -94,8 +114,12 @@ class ModelRunner:
         return self.models.kv
 
     def _allocate(self, num_pages: int) -> KVCache:
-        return KVCache.allocate(self.rc.model_config, self.rc.draft_config, num_pages, self.rc.page_size,
-                                self.rc.dtype, self.device)
+        """The pool: KV pages, and for a hybrid target the state slots as views into them."""
+        kv = KVCache.allocate(self.rc.model_config, self.rc.draft_config, num_pages, self.rc.page_size,
+                              self.rc.dtype, self.device)
+        if self.state_layout is not None:
+            kv.state = state_views(kv, self.state_layout)
+        return kv
 
     def _buckets_for(self, k: int) -> list[int]:
         """The batch buckets whose steps verify k drafts under the schedule (all without one);
@@ -116,7 +140,7 @@ class ModelRunner:
         temporary cache (the decode step runs padding requests only)."""
         rc = self.rc
         plan = _core.profile_plan(rc.max_num_batched_tokens, rc.max_num_seqs, rc.block_rows, rc.draft_rows,
-                                  rc.reserve_rows, rc.max_model_len, rc.page_size, rc.mask_token_id)
+                                  rc.reserve_rows, rc.max_model_len, rc.page_size, rc.mask_token_id, rc.hybrid)
         if report is not None:
             report.profile_tokens, report.profile_sample_rows = plan.num_rows, len(plan.sample_rows)
         real_kv, self.models.kv = self.models.kv, self._allocate(2)

@@ -16,6 +16,12 @@ block overwrites (as scratch) before any draft pass reads them.
 
 Decoding requests lead the plan and each samples its B verify rows, so the sampled rows of
 decoding request i are i*B .. i*B+B-1 and its bonus row is target row i*B, in both paths.
+
+A hybrid target (GDN layers) also reads and writes recurrent-state slots: `state_meta` holds
+the plan's `state_read` / `state_write` (the core chose every slot: each request reads its
+committed slot, verify rows and a chunk's last row keep their states in other slots, and the
+commit moves the committed slot; models/hybrid_state.py), and the slots are views into the
+KV pool (`kv.state`, worker/state_pool.py). Dense targets have neither.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..models.hybrid_state import StateMetadata
 from ..ops import dispatch
 from ..ops.attention import AttentionMetadata
 from ..ops.sampling import SamplingTensors
@@ -61,6 +68,7 @@ class StepInputs:
     num_decode: int  # decoding requests (they lead the plan)
     block_rows: int  # B
     draft: DraftInputs | None  # None: no draft pass (no drafts this step)
+    state_meta: StateMetadata | None = None  # hybrid targets: the state slots each row reads / keeps
 
     @classmethod
     def from_plan(cls, plan, st: dict[str, np.ndarray], device: torch.device) -> StepInputs:
@@ -83,9 +91,13 @@ class StepInputs:
                     page_tables=t(plan.draft_page_tables), causal=False, max_query_len=plan.draft_rows,
                     query_start_loc_cpu=dq.tolist(), seq_lens_cpu=ds.tolist()),
                 proposal_rows=t(plan.draft_proposal_rows), verify_rows=t(plan.verify_target_rows))
+        state_meta = None
+        if len(plan.state_read):  # a hybrid target's plan
+            state_meta = StateMetadata(read=t(plan.state_read), write=t(plan.state_write),
+                                       read_cpu=plan.state_read.tolist(), write_cpu=plan.state_write.tolist())
         return cls(input_ids=t(plan.input_ids), positions=t(plan.positions), meta=meta,
                    sample_rows=t(plan.sample_rows), sampling=SamplingTensors.from_numpy(st, device),
-                   num_decode=plan.num_decode, block_rows=plan.block_rows, draft=draft)
+                   num_decode=plan.num_decode, block_rows=plan.block_rows, draft=draft, state_meta=state_meta)
 
 
 def draft_pass(m: StepModels, x: StepInputs) -> tuple[Tensor, Tensor]:
@@ -100,7 +112,8 @@ def draft_pass(m: StepModels, x: StepInputs) -> tuple[Tensor, Tensor]:
 def verify_pass(m: StepModels, x: StepInputs, ids: Tensor) -> Tensor:
     """The target over every row, the draft-context write of every row's taps (module
     doc) -> float32 logits of the sampled rows."""
-    hidden, taps = m.target(ids, x.positions, x.meta, m.kv, m.tap_layers)
+    state = {} if x.state_meta is None else {"state": m.kv.state, "state_meta": x.state_meta}
+    hidden, taps = m.target(ids, x.positions, x.meta, m.kv, m.tap_layers, **state)
     if m.draft is not None:
         m.draft.write_context(taps, x.positions, x.meta.slot_mapping, m.kv)
     if x.sample_rows is not None:

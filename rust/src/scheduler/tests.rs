@@ -12,6 +12,7 @@ fn cfg(num_pages: usize, k: usize) -> SchedulerConfig {
         enable_prefix_caching: true,
         draft_len_policy: DraftLenPolicy::Fixed,
         draft_block_rows: 0,
+        state_slots: false,
     }
 }
 
@@ -744,4 +745,94 @@ fn schedule_only_chooses_for_its_request_alone() {
     // Cancelled steps are still counted as planned.
     assert_eq!(s.draft_len().counts().iter().map(|&(_, c)| c).sum::<u64>(), 8 + 2);
     s.check_invariants().unwrap();
+}
+
+fn hybrid_cfg(num_pages: usize, k: usize) -> SchedulerConfig {
+    let mut c = cfg(num_pages, k);
+    c.enable_prefix_caching = false;
+    c.state_slots = true;
+    c
+}
+
+#[test]
+fn hybrid_state_slots_follow_the_committed_row() {
+    let mut s = Scheduler::new(hybrid_cfg(32, 3)).unwrap();
+    let h = s.add_request("a", vec![1, 2, 3, 4, 5, 6], 20, vec![]).unwrap();
+    s.cfg.max_num_batched_tokens = 4; // two prefill chunks
+    // Chunk 1: no state yet (read -1); the last row keeps its state in a fresh slot.
+    let (t, p) = step(&mut s);
+    assert_eq!(p.state_read, vec![-1]);
+    assert_eq!(p.state_write[..3], [-1, -1, -1]);
+    let w1 = p.state_write[3];
+    let slots = s.request(h).unwrap().state_slots().to_vec();
+    assert_eq!(slots.len(), 2, "a prefilling request holds 2 state slots");
+    assert!(slots.contains(&(w1 as u32)) && !s.request(h).unwrap().pages().pages().contains(&(w1 as u32)));
+    commit(&mut s, t, &[0], &[]);
+    assert_eq!(s.request(h).unwrap().committed_slot(), Some(w1 as u32));
+    // Chunk 2 reads it and writes the other slot.
+    let (t, p) = step(&mut s);
+    assert_eq!(p.state_read, vec![w1]);
+    let w2 = p.state_write[1];
+    assert!(w2 >= 0 && w2 != w1 && p.state_write[0] == -1);
+    commit(&mut s, t, &[0], &[7]);
+    assert_eq!(s.request(h).unwrap().committed_slot(), Some(w2 as u32));
+    s.cfg.max_num_batched_tokens = 64;
+    // A verify block: B + 1 = 5 slots; every row keeps a state, none in the committed slot.
+    let (t, p) = step(&mut s);
+    assert_eq!(s.request(h).unwrap().state_slots().len(), 5);
+    assert_eq!(p.state_read, vec![w2]);
+    assert!(p.state_write.iter().all(|&w| w >= 0 && w != w2));
+    let rows = p.state_write.clone();
+    commit(&mut s, t, &[2], &[8, 9, 10, 11]);
+    assert_eq!(s.request(h).unwrap().committed_slot(), Some(rows[2] as u32), "accepted 2: row 2's state");
+    s.check_invariants().unwrap();
+    // A second request under pressure preempts it: every slot goes back; it resumes from no state.
+    let free_before = s.num_free_pages();
+    let held = s.request(h).unwrap().pages().len() + 5;
+    s.preempt(h);
+    assert_eq!(s.num_free_pages(), free_before + held);
+    assert_eq!((s.request(h).unwrap().committed_slot(), s.request(h).unwrap().state_slots().len()), (None, 0));
+    let (t, p) = step(&mut s);
+    assert_eq!(p.state_read, vec![-1], "resumed after preemption: recomputed from no state");
+    commit(&mut s, t, &[0], &[]);
+    s.check_invariants().unwrap();
+    s.finish(h, FinishReason::Abort).unwrap();
+    assert_eq!(s.num_free_pages(), 31, "abort frees every page and slot");
+}
+
+#[test]
+fn hybrid_plain_decode_steps_read_through_the_committed_slot() {
+    let mut c = hybrid_cfg(32, 3);
+    c.draft_len_policy = DraftLenPolicy::Adaptive { candidates: vec![0, 3] };
+    let mut s = Scheduler::new(c).unwrap();
+    // Drafting never pays: every step verifies no drafts (B = 1).
+    s.set_step_costs(StepCosts::new(vec![8], vec![0, 3], vec![vec![1.0, 100.0]]).unwrap()).unwrap();
+    let h = s.add_request("a", vec![1, 2, 3], 20, vec![]).unwrap();
+    let (t, _) = step(&mut s);
+    commit(&mut s, t, &[0], &[5]);
+    for i in 0..4 {
+        let c = s.request(h).unwrap().committed_slot().unwrap();
+        let (t, p) = step(&mut s);
+        assert_eq!(p.block_rows, 1);
+        assert_eq!(p.state_read, vec![c as i64]);
+        assert_eq!(p.state_write.len(), 1);
+        assert_ne!(p.state_write[0], c as i64);
+        commit(&mut s, t, &[0], &[6 + i]);
+        assert_eq!(s.request(h).unwrap().committed_slot(), Some(p.state_write[0] as u32));
+        s.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn hybrid_admission_counts_state_slots_and_refuses_prefix_caching() {
+    let mut c = hybrid_cfg(32, 3);
+    c.enable_prefix_caching = true;
+    assert!(matches!(Scheduler::new(c), Err(CoreError::InvalidConfig(m)) if m.contains("prefix caching")));
+    // 7 usable pages: 4 KV pages at full length (8 + 4 tokens, 4 reserved) + 5 state slots do not fit.
+    let mut s = Scheduler::new(hybrid_cfg(8, 3)).unwrap();
+    assert_eq!(s.config().state_slots_per_seq(), 5);
+    let err = s.add_request("a", vec![1; 8], 4, vec![]).unwrap_err();
+    assert!(matches!(err, CoreError::Rejected { .. }) && err.to_string().contains("state slots"), "{err}");
+    let mut s = Scheduler::new(hybrid_cfg(10, 3)).unwrap(); // 9 usable: 4 + 5
+    assert!(s.add_request("a", vec![1; 8], 4, vec![]).is_ok());
 }

@@ -1,0 +1,99 @@
+"""The cost model of the adaptive draft-length policy: how long a decode step takes for
+each batch bucket and each candidate K, measured on this machine at startup.
+
+GPU: the captured decode graphs themselves are replayed (padding inputs: every GEMM, norm
+and sampling kernel runs on the full bucket, attention over no context) and timed with CUDA
+events. CPU: eager steps of the core's profile plan (`_core.profile_plan`, bs decoding
+requests of B rows over a short context) on a 2-page KV cache, at a few buckets, the rest
+interpolated linearly in the batch (a CPU step's cost is close to linear in its rows).
+
+The table goes to the core once (`Scheduler.set_step_costs`); the core combines it with the
+acceptance it measures from commits (rust/src/draft_len.rs) to pick each step's K.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import _core
+from .graph_runner import batch_buckets
+
+_CPU_PROBE_BUCKETS = (1, 4, 16)
+_CPU_PROBE_CONTEXT = 256
+_GPU_REPS = 10
+_CPU_REPS = 2
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    buckets: list[int]
+    ks: list[int]
+    seconds: list[list[float]]  # [bucket][k]
+
+    def summary(self) -> str:
+        """One line: the cost per K at the smallest and largest bucket, in ms."""
+        def row(i: int) -> str:
+            return ", ".join(f"K={k} {self.seconds[i][j] * 1e3:.2f}" for j, k in enumerate(self.ks))
+        return (f"decode step cost (ms) at batch {self.buckets[0]}: {row(0)}; "
+                f"at batch {self.buckets[-1]}: {row(len(self.buckets) - 1)}")
+
+
+def measure(runner, ks: list[int]) -> StepCosts:
+    """`runner`: the ModelRunner, set up (pool allocated, graphs captured)."""
+    rc = runner.rc
+    buckets = batch_buckets(rc.max_num_seqs)
+    if runner.graphs and all(not g.enforce_eager for g in runner.graphs.values()):
+        seconds = [[_time_graph(runner.graphs[k + 1], bs) for k in ks] for bs in buckets]
+    elif runner.graphs and rc.device.type == "cpu":
+        # The kernels under Triton's interpreter (a test mode): timing would measure the
+        # interpreter. Rows run stand in for time: bs * (B + D) per step, plus one.
+        seconds = [[1e-3 * (1 + bs * (k + 1 + rc.draft_rows_for(k + 1))) for k in ks] for bs in buckets]
+    else:
+        probe = sorted({b for b in _CPU_PROBE_BUCKETS if b < buckets[-1]} | {buckets[-1]})
+        measured = np.array([[_time_eager(runner, bs, k) for k in ks] for bs in probe])
+        seconds = [[float(np.interp(bs, probe, measured[:, j])) for j in range(len(ks))] for bs in buckets]
+    return StepCosts(buckets=buckets, ks=list(ks), seconds=seconds)
+
+
+@torch.inference_mode()
+def _time_graph(g, bs: int) -> float:
+    key = (bs, True)
+    if key not in g.graphs:
+        g.reset_inputs()
+        g._capture_one(bs, True)
+    g.reset_inputs()
+    graph = g.graphs[key]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(_GPU_REPS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / _GPU_REPS
+
+
+def _time_eager(runner, bs: int, k: int) -> float:
+    rc = runner.rc
+    b = k + 1
+    ctx = max(min(rc.max_model_len, _CPU_PROBE_CONTEXT), b + rc.draft_rows)
+    plan = _core.profile_plan(bs * b, bs + 1, b, rc.draft_rows_for(b), rc.reserve_rows, ctx, rc.page_size,
+                              rc.mask_token_id, rc.hybrid)
+    n = len(plan.sample_rows)
+    st = {"greedy": np.ones(n, np.bool_), "temperature": np.ones(n, np.float32),
+          "top_k": np.full(n, rc.model_config.vocab_size, np.int64), "top_p": np.ones(n, np.float32),
+          "min_p": np.zeros(n, np.float32), "seed": np.zeros(n, np.int64),
+          "position": plan.positions[plan.sample_rows] + 1}
+    real_kv, runner.models.kv = runner.models.kv, runner._allocate(2)
+    try:
+        best = float("inf")
+        for _ in range(_CPU_REPS):
+            t0 = time.perf_counter()
+            runner._launch_eager(plan, st, True).wait()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        runner.models.kv = real_kv
+    return best

@@ -1,0 +1,105 @@
+"""The adaptive draft length (the default): each step verifies the K (0 included) the core
+picks from live acceptance and the measured step cost; every choice stays lossless."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.config import EngineConfig, SpeculativeConfig
+from dflash_engine.runtime_config import resolve
+from dflash_engine.server.metrics import ServerMetrics
+
+PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def prompts(n: int) -> list[dict]:
+    from draft_training import random_prompts
+
+    return [{"prompt_token_ids": p} for p in random_prompts(n, 8, seed=4321).tolist()]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(trained):
+    ps = prompts(8)
+    return ps, tokens(LLM(model=str(trained.target), device="cpu").generate(ps, PARAMS, use_tqdm=False))
+
+
+def adaptive(trained, max_num_seqs: int, draft_cost: float | None = None) -> LLM:
+    """An adaptive engine; `draft_cost`: replace the measured cost table by one where a step
+    verifying K > 0 drafts costs `draft_cost` x the plain decode step (None: as measured)."""
+    llm = LLM(model=str(trained.target), device="cpu", max_num_seqs=max_num_seqs,
+              speculative_config={"method": "dflash", "model": str(trained.draft)})
+    c = llm.engine.runner.step_costs
+    assert c is not None and c.ks == [0, 1, 3] and all(s > 0 for row in c.seconds for s in row)
+    if draft_cost is not None:
+        llm.engine.scheduler.set_step_costs(c.buckets, c.ks, [[1.0] + [draft_cost] * (len(c.ks) - 1)
+                                                              for _ in c.buckets])
+    return llm
+
+
+def test_default_policy_is_adaptive_and_explicit_k_is_fixed(trained):
+    draft = str(trained.draft)
+    rc = resolve(EngineConfig(model=str(trained.target), device="cpu",
+                              speculative_config={"method": "dflash", "model": draft}))
+    assert (rc.draft_len_policy, rc.draft_len_candidates) == ("adaptive", (0, 1, 3))
+    assert rc.draft_lengths == [3, 1, 0]
+    fixed = resolve(EngineConfig(model=str(trained.target), device="cpu",
+                                 speculative_config={"method": "dflash", "model": draft, "num_speculative_tokens": 2}))
+    assert (fixed.draft_len_policy, fixed.draft_len_candidates, fixed.num_speculative_tokens) == ("fixed", (), 2)
+    up_to_2 = resolve(EngineConfig(model=str(trained.target), device="cpu", speculative_config={
+        "method": "dflash", "model": draft, "num_speculative_tokens": 2, "draft_length": "adaptive"}))
+    assert up_to_2.draft_len_candidates == (0, 1, 2)
+    assert SpeculativeConfig.parse({"model": draft, "draft_length": 2}).num_speculative_tokens == 2
+    for bad in ("fast", -1, True, 0):
+        with pytest.raises(ValueError, match="draft_length|speculation off"):
+            SpeculativeConfig.parse({"model": draft, "draft_length": bad})
+    with pytest.raises(ValueError, match="disagree"):
+        SpeculativeConfig.parse({"model": draft, "draft_length": 2, "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="two draft-length policies"):
+        SpeculativeConfig.parse({"model": draft, "draft_length": "adaptive",
+                                 "num_speculative_tokens_schedule": [[1, 3]], "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_adaptive_is_lossless_and_drafts_when_drafting_is_cheap(trained, reference, max_num_seqs):
+    ps, ref = reference
+    llm = adaptive(trained, max_num_seqs, draft_cost=1.0)
+    assert tokens(llm.generate(ps, PARAMS, use_tqdm=False)) == ref
+    st = llm.stats()
+    counts = st.spec_draft_len_counts
+    # A trained draft on free drafting: the longest block nearly always.
+    assert counts[3] > 0.8 * sum(counts.values()), counts
+    assert st.mean_acceptance_length > 2.0
+
+
+def test_adaptive_stops_drafting_when_drafting_costs_more_than_it_commits(trained, reference):
+    ps, ref = reference
+    llm = adaptive(trained, 8, draft_cost=20.0)
+    assert tokens(llm.generate(ps, PARAMS, use_tqdm=False)) == ref
+    counts = llm.stats().spec_draft_len_counts
+    assert counts[0] == sum(counts.values()) > 0, counts
+    assert llm.stats().spec_num_drafts == 0
+
+
+def test_adaptive_with_measured_costs_is_lossless_with_preemption(trained, reference):
+    ps, ref = reference
+    llm = LLM(model=str(trained.target), device="cpu", max_num_seqs=8, max_num_batched_tokens=12, max_model_len=96,
+              num_gpu_blocks_override=8, speculative_config={"method": "dflash", "model": str(trained.draft)})
+    assert tokens(llm.generate(ps, PARAMS, use_tqdm=False)) == ref
+    st = llm.stats()
+    assert st.num_preemptions > 0 and sum(st.spec_draft_len_counts.values()) > 0
+
+
+def test_metrics_export_the_choices(trained, reference):
+    ps, _ = reference
+    llm = adaptive(trained, 4, draft_cost=1.0)
+    llm.generate(ps[:2], PARAMS, use_tqdm=False)
+    text = generate_latest(ServerMetrics("m", llm.engine.stats).registry).decode()
+    chosen = {line.split('k="')[1].split('"')[0]: float(line.split()[-1])
+              for line in text.splitlines() if line.startswith("dflash:draft_length_chosen_total")}
+    assert set(chosen) == {"0", "1", "3"} and chosen["3"] > 0, chosen

@@ -1,0 +1,228 @@
+"""A hybrid target (Qwen3.5: Gated DeltaNet + gated attention) served by the engine on CPU
+(float32, exact mode): DFlash output equals spec-off output token for token at every
+concurrency, under chunked prefill, preemption, stops mid-block, fixed and adaptive K, with a
+random draft (drafts rejected: B-row blocks that keep one row) and an oracle draft (most
+drafts accepted: the committed state slot moves to a later verify row). The recurrent state
+lives in slots that are pages of the KV pool (worker/state_pool.py; the core owns them)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from tiny_hybrid import make_tiny_qwen3_5
+from tiny_models import draft_tensor_shapes, make_tiny_tokenizer
+
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.models.config import draft_config_dict, write_draft_config
+from dflash_engine.models.hybrid_state import HybridState
+from dflash_engine.models.qwen3_5_config import HybridConfig
+from dflash_engine.worker import step as step_module
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    path, _ = make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5"))
+    make_tiny_tokenizer(path, 300)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hybrid_draft(tmp_path_factory, hybrid_dir):
+    """An untrained one-layer DFlash draft (block 4) over the hybrid target's layers 1 and 2."""
+    hc = HybridConfig.from_dict(json.loads((hybrid_dir / "config.json").read_text()))
+    cfg = draft_config_dict(hc, num_layers=1, block_size=4, mask_token_id=299, target_layer_ids=[1, 2])
+    cfg.update(rope_scaling=None)
+    path = tmp_path_factory.mktemp("qwen3_5_draft")
+    write_draft_config(path, cfg)
+    gen = torch.Generator().manual_seed(0)
+    save_file({n: (1.0 + 0.2 * torch.randn(s, generator=gen)) if "norm" in n else 0.15 * torch.randn(s, generator=gen)
+               for n, s in draft_tensor_shapes(cfg, 2).items()}, str(path / "model.safetensors"))
+    make_tiny_tokenizer(path, 300)
+    return path
+
+
+def prompts(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, 250, size=int(rng.integers(3, 40))).tolist()} for _ in range(n)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def spec(draft, **kw) -> dict:
+    return {"method": "dflash", "model": str(draft), **kw}
+
+
+@pytest.fixture(scope="module")
+def reference(hybrid_dir):
+    """Spec-off greedy outputs, all 32 prompts in one batch; the first four generated alone
+    give the same tokens (the exact mode: a row's bits never depend on its batch)."""
+    ps = prompts(32)
+    ref = tokens(LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=32)
+                 .generate(ps, GREEDY, use_tqdm=False))
+    alone = LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=1)
+    assert [tokens(alone.generate(p, GREEDY, use_tqdm=False))[0] for p in ps[:4]] == ref[:4]
+    return ps, ref
+
+
+@pytest.fixture
+def oracle_draft(monkeypatch, reference):
+    """Replaces every proposal by the reference continuation of (position, bonus token) when
+    one is known: most drafts are accepted. A wrong or missing one only costs acceptance."""
+    ps, ref = reference
+    table: dict[tuple[int, int], list[int]] = {}
+    for p, out in zip(ps, ref):
+        seq = p["prompt_token_ids"] + out
+        for pos in range(len(p["prompt_token_ids"]), len(seq)):
+            table[(pos, seq[pos])] = seq[pos + 1:]
+    real = step_module.draft_pass
+
+    def draft_pass(m, x):
+        ids, drafts = real(m, x)
+        d, k = x.draft, x.block_rows - 1
+        starts = d.positions[::len(d.positions) // x.num_decode].tolist()
+        bonus = d.input_ids[::len(d.positions) // x.num_decode].tolist()
+        want = [(table.get((s, b), []) + [0] * k)[:k] for s, b in zip(starts, bonus)]
+        drafts = torch.tensor(want, dtype=drafts.dtype).reshape(-1)
+        return x.input_ids.index_put((d.verify_rows,), drafts), drafts
+
+    monkeypatch.setattr(step_module, "draft_pass", draft_pass)
+
+
+def check_pool_returned(llm) -> None:
+    s = llm.engine.scheduler
+    s.check_invariants()
+    assert s.num_free_pages == s.num_usable_pages, "every KV page and state slot is back in the pool"
+
+
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+def test_dflash_equals_spec_off_at_any_concurrency(hybrid_dir, hybrid_draft, reference, concurrency):
+    ps, ref = reference
+    n = max(concurrency, 4)
+    llm = LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=concurrency,
+              speculative_config=spec(hybrid_draft, draft_length="fixed"))
+    assert llm.engine.runtime_config.num_speculative_tokens == 3
+    assert tokens(llm.generate(ps[:n], GREEDY, use_tqdm=False)) == ref[:n]
+    assert llm.stats().spec_num_drafts > 0
+    check_pool_returned(llm)
+
+
+def test_accepted_drafts_move_the_committed_state(hybrid_dir, hybrid_draft, reference, oracle_draft):
+    ps, ref = reference
+    llm = LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=8,
+              speculative_config=spec(hybrid_draft, num_speculative_tokens=3))
+    assert tokens(llm.generate(ps[:8], GREEDY, use_tqdm=False)) == ref[:8]
+    st = llm.stats()
+    assert st.spec_num_accepted_tokens > st.spec_num_drafts, f"tau {st.mean_acceptance_length}: oracle not used"
+    check_pool_returned(llm)
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_lossless_under_chunked_prefill_and_preemption(hybrid_dir, hybrid_draft, reference, oracle, request):
+    if oracle:
+        request.getfixturevalue("oracle_draft")
+    ps, ref = reference
+    # A 12-token budget chunks every prefill (and shares steps with verify blocks); 16 pages
+    # (of 48 tokens) hold one full-length request (6 KV pages + 5 state slots) but not 12.
+    llm = LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=12,
+              max_num_batched_tokens=12, num_gpu_blocks_override=16,
+              speculative_config=spec(hybrid_draft, draft_length="fixed"))
+    assert llm.engine.runner.memory.seq_pages == 11
+    assert tokens(llm.generate(ps[:12], GREEDY, use_tqdm=False)) == ref[:12]
+    assert llm.stats().num_preemptions > 0
+    check_pool_returned(llm)
+
+
+def test_stop_mid_block_and_adaptive_draft_length(hybrid_dir, hybrid_draft, reference, oracle_draft):
+    ps, ref = reference
+    # The adaptive default (K chosen each step among 0..3, B = 1 steps included).
+    llm = LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=8,
+              speculative_config=spec(hybrid_draft))
+    assert llm.engine.runtime_config.draft_len_policy == "adaptive"
+    params = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[r[9]], ignore_eos=True) for r in ref[:8]]
+    for r, o in zip(ref, llm.generate(ps[:8], params, use_tqdm=False)):
+        assert o.outputs[0].token_ids == r[:r.index(r[9]) + 1] and o.outputs[0].finish_reason == "stop"
+    assert tokens(llm.generate(ps[8:16], GREEDY, use_tqdm=False)) == ref[8:16]
+    check_pool_returned(llm)
+
+
+def test_plain_decode_steps_read_the_committed_state(hybrid_dir, hybrid_draft, reference):
+    """Adaptive with drafting never paying: every decode step is B = 1 (no draft pass)."""
+    ps, ref = reference
+    llm = LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=4,
+              speculative_config=spec(hybrid_draft, draft_length="adaptive"))
+    s = llm.engine.scheduler
+    s.set_step_costs([1, 4], [0, 1, 3], [[1.0, 50.0, 90.0], [1.0, 50.0, 90.0]])
+    assert tokens(llm.generate(ps[:4], GREEDY, use_tqdm=False)) == ref[:4]
+    assert set(k for k, n in s.draft_len_counts().items() if n) == {0}
+    check_pool_returned(llm)
+
+
+def test_state_slots_are_pages_of_the_kv_pool(hybrid_dir, hybrid_draft):
+    llm = LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=4,
+              speculative_config=spec(hybrid_draft, draft_length="fixed"))
+    rc, runner = llm.engine.runtime_config, llm.engine.runner
+    cfg, kv, mem = rc.model_config, runner.kv, runner.memory
+    assert rc.hybrid and not rc.enable_prefix_caching and not llm.engine.scheduler.enable_prefix_caching
+    assert len(kv.target) == len(cfg.attention_layer_ids) == 1
+    # One page of KV (target + draft, every layer) holds one slot of state (every GDN layer).
+    per_slot = HybridState.bytes_per_slot(cfg, rc.dtype)
+    assert mem.state_bytes_per_slot == runner.state_layout.bytes_per_slot == per_slot <= mem.bytes_per_page
+    # The state is views into the KV tensors: allocated bytes are the pool's, and the slots'
+    # bytes are what was planned, inside each page, never overlapping.
+    tensors = [t for pair in kv.target + kv.draft for t in pair]
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    assert allocated == mem.kv_bytes == mem.num_pages * mem.bytes_per_page
+    views = kv.state.conv + kv.state.recurrent
+    assert sum(v[0].numel() * v.element_size() for v in views) == per_slot
+    assert all(v.shape[0] == mem.num_pages for v in views)
+    spans = []
+    for v in views:
+        base = next(t for t in tensors if t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr())
+        page = base[0].numel() * base.element_size()
+        start = v.storage_offset() * v.element_size() - base.storage_offset() * base.element_size()
+        assert v.stride(0) * v.element_size() == page and 0 <= start and start + v[0].numel() * v.element_size() <= page
+        spans.append((base.untyped_storage().data_ptr(), start, start + v[0].numel() * v.element_size()))
+    spans.sort()
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:])), "state components overlap"
+    # Writing slot 5's state writes page 5 of the KV tensors and nothing else.
+    before = [t.clone() for t in tensors]
+    for v in views:
+        v[5].fill_(1.0)
+    for t, b in zip(tensors, before):
+        changed = (t != b).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed in ([], [5])
+    # The startup report names the slots, their bytes, and the concurrency they allow.
+    text = "\n".join(mem.lines())
+    assert "state slots" in text and f"{mem.state_slots_per_seq} slots" in text and mem.state_slots_per_seq == 5
+    assert mem.max_concurrency == mem.usable_pages / (mem.pages_per_seq + 5)
+    assert llm.engine.scheduler.state_slots_per_seq == 5
+
+
+def test_server_answers_a_chat_request(hybrid_dir, hybrid_draft):
+    import urllib.request
+
+    from server_fixtures import MODEL_NAME, LiveServer
+
+    from dflash_engine.engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=4,
+                                   speculative_config=spec(hybrid_draft, draft_length="fixed"))
+    server = LiveServer(engine)
+    try:
+        body = json.dumps({"model": MODEL_NAME, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+        req = urllib.request.Request(f"{server.base_url}/chat/completions", data=body.encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["choices"][0]["message"]["role"] == "assistant" and out["usage"]["completion_tokens"] >= 1
+        assert server.wait_idle().num_running == 0
+    finally:
+        server.stop()
