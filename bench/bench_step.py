@@ -139,7 +139,7 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
         print(json.dumps(row), flush=True)
         for rid in [f"bench-{c}-{i}" for i in range(c)]:
             engine.abort_request(rid)
-    del engine, dg
+    engine = dg = None  # free the engine before the next mode
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"method": "dflash", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens}
     for mode in args.modes.split(","):
         rows += run_mode(args, spec if mode == "on" else None, copy_gbs, tflops, device)
-    print(f"\n| mode | c | step (graph) ms | draft ms | verify ms | rest ms | floor ms | step/floor | engine step ms |")
+    print("\n| mode | c | step (graph) ms | draft ms | verify ms | rest ms | floor ms | step/floor | engine step ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         s = r.get("step_ms", float("nan"))

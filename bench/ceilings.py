@@ -32,8 +32,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ def gemm_tflops(device: str | torch.device | None = None,
         out = torch.empty(m, n, dtype=dtype, device=dev)
         ms = statistics.median(_time_ms(lambda: torch.matmul(a, b, out=out), dev, repeats, warmup))
         best = max(best, 2 * m * n * k / (ms * 1e-3) / 1e12)
-        del a, b, out
+        a = b = out = None  # free before the next shape
     return best
 
 
@@ -120,7 +121,7 @@ class _Shape:
     vocab: int
 
     @classmethod
-    def of(cls, cfg: Any) -> "_Shape":
+    def of(cls, cfg: Any) -> _Shape:
         heads = _get(cfg, "num_attention_heads")
         hidden = _get(cfg, "hidden_size")
         return cls(

@@ -16,7 +16,6 @@ if shutil.which("nvidia-smi") is None:
 os.environ["DFLASH_BATCH_INVARIANT"] = "1"
 
 import pytest  # noqa: E402
-
 from server_fixtures import fresh_server, models_root, spec_off_server, spec_on_server  # noqa: F401  (fixtures)
 from tiny_models import make_tiny_dflash_draft, make_tiny_llama, make_tiny_qwen3
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import uvicorn
-from dflash_engine.server import AsyncLLMEngine, build_app
 from tiny_models import make_tiny_dflash_draft, make_tiny_qwen3
+
+from dflash_engine.server import AsyncLLMEngine, build_app
 
 MODEL_NAME = "tiny-qwen3"
 MAX_MODEL_LEN = 256

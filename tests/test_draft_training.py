@@ -12,9 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_meta import meta_for_batch
-from dflash_engine.worker.kv_cache import KVCache
-from dflash_engine.models import load_draft, load_target
-from dflash_engine.models.config import ModelConfig
 from draft_training import (
     FIRST_RESERVED_ID,
     TRAIN_PROMPT_SEED,
@@ -27,6 +24,10 @@ from draft_training import (
 )
 from safetensors import safe_open
 from tiny_models import draft_tensor_shapes, make_tiny_dflash_draft
+
+from dflash_engine.models import load_draft, load_target
+from dflash_engine.models.config import ModelConfig
+from dflash_engine.worker.kv_cache import KVCache
 
 BLOCK = 4
 HELD_OUT_SEED = 1234

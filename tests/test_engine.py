@@ -40,9 +40,8 @@ def reference(qwen3_dir):
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_matches_transformers(tmp_path, arch, tie):
-    from transformers import AutoModelForCausalLM
-
     from tiny_models import make_tiny_llama, make_tiny_qwen3
+    from transformers import AutoModelForCausalLM
 
     path = (make_tiny_qwen3 if arch == "qwen3" else make_tiny_llama)(tmp_path / arch, tie_word_embeddings=tie)
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()

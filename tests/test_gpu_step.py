@@ -90,8 +90,8 @@ def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_
 def test_enforce_eager_reaches_the_engine_config():
     import argparse
 
-    from dflash_engine.config import EngineConfig
     from dflash_engine.cli_args import add_serve_args, engine_kwargs
+    from dflash_engine.config import EngineConfig
 
     parser = add_serve_args(argparse.ArgumentParser())
     assert engine_kwargs(parser.parse_args(["--enforce-eager"]))["enforce_eager"] is True

@@ -23,9 +23,10 @@ from typing import Any
 import httpx
 import pytest
 import server_fixtures
+from server_fixtures import MAX_MODEL_LEN, MODEL_NAME
+
 from dflash_engine.sampling_params import INT64_MAX, INT64_MIN, MAX_TEMPERATURE
 from dflash_engine.server import build_app
-from server_fixtures import MAX_MODEL_LEN, MODEL_NAME
 
 SEED = int(os.environ.get("DFLASH_HOSTILE_SEED", "8"))
 N_NORMAL = 8

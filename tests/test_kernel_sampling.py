@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from dflash_engine.ops import sampling as ref
 from dflash_engine.kernels import sampling as ks
+from dflash_engine.ops import sampling as ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

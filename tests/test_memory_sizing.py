@@ -10,7 +10,14 @@ import torch
 
 from dflash_engine import _core
 from dflash_engine.engine import LLMEngine
-from dflash_engine.worker.memory import GRAPH_SLACK_BYTES, MemoryReport, cpu_pool_pages, kv_budget, size_pool, size_kv_pool
+from dflash_engine.worker.memory import (
+    GRAPH_SLACK_BYTES,
+    MemoryReport,
+    cpu_pool_pages,
+    kv_budget,
+    size_kv_pool,
+    size_pool,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -14,7 +14,6 @@ from attention_meta import meta_for_batch
 from safetensors.torch import load_file, save_file
 from tiny_models import IM_END_ID, make_tiny_dflash_draft, make_tiny_llama, make_tiny_qwen3
 
-from dflash_engine.worker.kv_cache import KVCache
 from dflash_engine.models import load_draft, load_target
 from dflash_engine.models.config import (
     DraftConfig,
@@ -23,6 +22,7 @@ from dflash_engine.models.config import (
     validate_draft_against_target,
 )
 from dflash_engine.models.packed import to_checkpoint_state_dict
+from dflash_engine.worker.kv_cache import KVCache
 
 BLOCK = 4
 N_NEW = 8
@@ -432,6 +432,7 @@ def test_kv_cache_sizing(qwen3_dir):
 
 def test_auto_dtype_runs_a_float32_checkpoint_in_bfloat16_on_the_gpu_only():
     import torch
+
     from dflash_engine.models.config import resolve_dtype
 
     assert resolve_dtype("auto", "float32", "cpu") == torch.float32

@@ -128,8 +128,7 @@ ROPE_CASES = {
 @pytest.mark.parametrize("case", list(ROPE_CASES))
 def test_rope_matches_transformers(case):
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     scaling = ROPE_CASES[case]
     extra = {} if scaling is None else {"rope_scaling": dict(scaling)}

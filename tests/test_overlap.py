@@ -15,10 +15,10 @@ import sys
 import httpx
 import pytest
 import torch
+from server_fixtures import MODEL_NAME
 
 from dflash_engine import LLM, SamplingParams
 from dflash_engine.engine import FaultInjector, LLMEngine
-from server_fixtures import MODEL_NAME
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -232,7 +232,6 @@ def test_config_flag_wins_over_the_env(qwen3_dir, monkeypatch):
     """overlap= (LLM / EngineConfig) and `serve --no-overlap` set it; the env is the default."""
     import argparse
 
-    from dflash_engine import LLM
     from dflash_engine.cli_args import add_serve_args, engine_kwargs
 
     monkeypatch.setenv("DFLASH_OVERLAP", "0")

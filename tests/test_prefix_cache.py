@@ -157,7 +157,6 @@ def _scrape(server) -> dict[str, float]:
 
 def test_server_reports_cached_tokens_in_usage_and_metrics(spec_on_server):
     from openai import OpenAI
-
     from server_fixtures import MODEL_NAME
 
     client = OpenAI(base_url=spec_on_server.base_url, api_key="x")

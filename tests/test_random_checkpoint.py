@@ -89,7 +89,7 @@ def test_shard_index_covers_every_tensor_exactly_once(tiny):
     for file, names in by_file.items():
         assert all(weight_map[n] == file for n in names)
     assert index["metadata"]["total_size"] == 2 * sum(_numel(s) for s in expected.values())
-    for file, names in by_file.items():  # only a single oversized tensor may exceed the limit
+    for _file, names in by_file.items():  # only a single oversized tensor may exceed the limit
         data = 2 * sum(_numel(expected[n]) for n in names)
         assert data <= SHARD_LIMIT or len(names) == 1
 

@@ -7,9 +7,10 @@ import asyncio
 import httpx
 import openai
 import pytest
-from dflash_engine.cli_args import add_serve_args
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import MAX_MODEL_LEN, MODEL_NAME
+
+from dflash_engine.cli_args import add_serve_args
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 

@@ -238,7 +238,7 @@ def test_huge_top_k_is_refused_alone_while_others_run(spec_on_server):
         _assert_openai_error(hostile, 400, "top_k")
         texts = [_collect(_data([first, *it]))[0] for first, it in zip(firsts, lines)]
     finally:
-        for (client, cm), r in zip(opened, responses):
+        for (client, cm), _r in zip(opened, responses):
             cm.__exit__(None, None, None)
             client.close()
     assert texts == expected
@@ -346,6 +346,7 @@ def test_sampling_params_validate_names_the_field():
     import math
 
     import numpy as np
+
     from dflash_engine.sampling_params import InvalidSamplingParamError, SamplingParams
 
     bad = [
@@ -389,8 +390,9 @@ def test_effective_top_k_clamps_to_the_vocabulary():
 def test_engine_refuses_what_the_edge_refuses(models_root):
     """The engine validates with its vocabulary too (LLMEngine.add_request), so offline
     callers get the same typed error and nothing is added."""
-    from dflash_engine.sampling_params import InvalidSamplingParamError, SamplingParams
     from server_fixtures import make_engine
+
+    from dflash_engine.sampling_params import InvalidSamplingParamError, SamplingParams
 
     engine = make_engine(models_root, spec=False)
     for params, param in ((SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids"),

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dflash_engine import LLM, SamplingParams, bench_serve
-from dflash_engine.worker import step_timer
-from dflash_engine.engine import EngineStats
 from dflash_engine.cli_args import add_bench_args
+from dflash_engine.engine import EngineStats
 from dflash_engine.server.metrics import ServerMetrics
+from dflash_engine.worker import step_timer
 from dflash_engine.worker.step_timer import StepTimer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -25,7 +25,7 @@ class FakeClock:
         self.now = 0.0
         monkeypatch.setattr(step_timer.time, "perf_counter", lambda: self.now)
 
-    def at(self, t: float) -> "FakeClock":
+    def at(self, t: float) -> FakeClock:
         self.now = t
         return self
 

@@ -177,7 +177,7 @@ def test_train_draft_loss_goes_down(run):
 def test_trained_draft_loads_and_drafts_losslessly(run):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": [(11 * i + 5 * j) % 256 for j in range(4 + 3 * i)]} for i in range(4)]
-    spec = {"method": "dflash", "model": str(run.out)}
+    spec = {"method": "dflash", "model": str(run.out), "draft_length": "fixed"}
     on = LLM(model=str(run.target), device="cpu", speculative_config=spec, batch_invariant=True)
     off = LLM(model=str(run.target), device="cpu", batch_invariant=True)
     a = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]

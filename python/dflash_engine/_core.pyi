@@ -1,6 +1,6 @@
 """Type stubs for the Rust core (rust/src/python.rs)."""
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt

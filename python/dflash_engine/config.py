@@ -98,8 +98,8 @@ class SpeculativeConfig:
         return self.rejection_sample_method == "synthetic"
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None", target_model: str | None = None
-              ) -> "SpeculativeConfig | None":
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None, target_model: str | None = None
+              ) -> SpeculativeConfig | None:
         """A dict / JSON object (vLLM's keys), or "none" (off). Without "model", the draft
         shipped for the embedded target (only when the target is that model)."""
         if value is None or isinstance(value, SpeculativeConfig):

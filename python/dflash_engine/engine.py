@@ -61,6 +61,28 @@ class EngineStats:
         return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
+class _HostGap:
+    """The adaptive policy's cost model, corrected live: the startup table times the device
+    work of a step; every step also costs the host time the device waits for (schedule,
+    commit, outputs: the step timer's idle time). Every `EVERY` steps, the mean of that gap
+    over the last window is added to every cell and the table goes to the core again (a
+    constant per step favours longer blocks: each step's fixed cost buys more tokens)."""
+
+    EVERY = 128
+
+    def __init__(self) -> None:
+        self.last = (0.0, 0)
+
+    def update(self, engine: LLMEngine) -> None:
+        _, idle, steps = engine.runner.step_timer.totals()
+        if steps - self.last[1] < self.EVERY:
+            return
+        gap = (idle - self.last[0]) / (steps - self.last[1])
+        self.last = (idle, steps)
+        c = engine.runner.step_costs
+        engine.scheduler.set_step_costs(c.buckets, c.ks, [[s + gap for s in row] for row in c.seconds])
+
+
 class FaultInjector:
     """Test hook: override to raise inside a step or while processing one request. Hooks
     see the requests themselves (ids are minted by whoever adds them; prompts are not)."""
@@ -98,6 +120,7 @@ class LLMEngine:
             draft_block_rows=rc.draft_rows,
             state_slots=rc.hybrid,  # a hybrid target's recurrent-state slots: pages of the same pool
         )
+        self._host_gap = _HostGap() if self.runner.step_costs is not None else None
         if self.runner.step_costs is not None:  # the adaptive policy's cost model, measured at startup
             c = self.runner.step_costs
             self.scheduler.set_step_costs(c.buckets, c.ks, c.seconds)
@@ -132,7 +155,7 @@ class LLMEngine:
         self.step = self._step_overlapped if on else self._step_sync
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "LLMEngine":
+    def from_kwargs(cls, **kwargs) -> LLMEngine:
         return cls(EngineConfig(**kwargs))
 
     # ---- capacity ---------------------------------------------------------------
@@ -251,6 +274,8 @@ class LLMEngine:
     def _land(self, plan, flight):
         """Wait for a launched step and commit it; returns the core's CommitResult."""
         accepted, sampled = self.runner.wait(flight)
+        if self._host_gap is not None:
+            self._host_gap.update(self)
         result = self.scheduler.commit(plan, accepted, sampled)
         self._record_spec(plan, accepted)
         return result
@@ -421,8 +446,10 @@ class LLMEngine:
         return dataclasses.replace(
             s, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions,
-            spec_accepted_per_pos=list(s.spec_accepted_per_pos), spec_draft_len_counts=self.scheduler.draft_len_counts(),
-            prefix_cache_queries=self.scheduler.prefix_cache_queries, prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            spec_accepted_per_pos=list(s.spec_accepted_per_pos),
+            spec_draft_len_counts=self.scheduler.draft_len_counts(),
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
             step_busy_seconds=busy, step_idle_seconds=idle, num_steps=steps,
         )
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

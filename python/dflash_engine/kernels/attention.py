@@ -430,7 +430,7 @@ def choose_num_splits(
     return max(1, min(target // programs, useful, MAX_SPLITS))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

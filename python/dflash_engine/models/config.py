@@ -162,7 +162,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         architecture = _architecture(d)
         if architecture not in SUPPORTED_TARGET_ARCHITECTURES:
             raise ValueError(
@@ -217,7 +217,7 @@ class DraftConfig(ModelConfig):
         return dead_positions(committed, self.layer_windows)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DraftConfig:
         architecture = _architecture(d)
         if architecture != DRAFT_ARCHITECTURE:
             raise ValueError(

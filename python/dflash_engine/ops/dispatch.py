@@ -15,13 +15,13 @@ import torch
 from torch import Tensor
 
 from .. import envs
-
 from . import activation as _act
 from . import attention as _attn
 from . import linear as _lin
 from . import norm as _norm
 from . import rotary as _rot
 from . import sampling as _sampling
+
 
 def kernels_on_cpu() -> bool:
     return envs.kernels_on_cpu()

@@ -59,7 +59,7 @@ class SamplingTensors:
     position: Tensor  # [N] int64: position of the token being sampled
 
     @classmethod
-    def from_numpy(cls, arrays: dict[str, np.ndarray], device: torch.device) -> "SamplingTensors":
+    def from_numpy(cls, arrays: dict[str, np.ndarray], device: torch.device) -> SamplingTensors:
         return cls(**{k: torch.from_numpy(v).to(device) for k, v in arrays.items()})
 
 

@@ -57,7 +57,7 @@ class KVCache:
         page_size: int,
         dtype: torch.dtype | str,
         device: torch.device | str = "cpu",
-    ) -> "KVCache":
+    ) -> KVCache:
         if num_pages < 2:
             raise ValueError(f"KV cache needs at least 2 pages (page 0 is the null page), got {num_pages}")
         dtype = resolve_dtype(dtype)
