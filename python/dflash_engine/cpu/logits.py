@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..ops.sampling import greedy as row_argmax  # noqa: F401  (re-exported: the blocked exact argmax)
 from .weights import PackedWeight
 
 REFINE_TOP = 8  # logits recomputed in float32 per row (packed_logits)
-_SCAN_BLOCK = 128  # columns per block of `row_topk` / `row_argmax`
+_SCAN_BLOCK = 128  # columns per block of `row_topk`
 
 
 def row_topk(x: Tensor, k: int) -> Tensor:
@@ -24,18 +25,6 @@ def row_topk(x: Tensor, k: int) -> Tensor:
     cand = blocks.gather(1, top[..., None].expand(m, k, _SCAN_BLOCK)).view(m, k * _SCAN_BLOCK)
     pos = cand.topk(k, dim=-1).indices
     return top.gather(1, pos // _SCAN_BLOCK) * _SCAN_BLOCK + pos % _SCAN_BLOCK
-
-
-def row_argmax(x: Tensor) -> Tensor:
-    """x.argmax(-1) for x [M, V] on the CPU, exactly (the first index of each row's maximum),
-    through the blocks' maxima: torch's CPU argmax over a 49,152-wide row is ~4x amax's time."""
-    m, v = x.shape
-    if x.device.type != "cpu" or v % _SCAN_BLOCK or v < 4 * _SCAN_BLOCK or m == 0:
-        return x.argmax(-1)
-    blocks = x.view(m, v // _SCAN_BLOCK, _SCAN_BLOCK)
-    b = blocks.amax(-1).argmax(-1)  # the first block holding the row's maximum
-    inner = blocks[torch.arange(m), b].argmax(-1)
-    return b * _SCAN_BLOCK + inner
 
 
 def packed_logits(hidden: Tensor, packed: PackedWeight, weight: Tensor, refine: bool = True) -> Tensor:
