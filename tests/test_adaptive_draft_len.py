@@ -82,8 +82,11 @@ def test_adaptive_stops_drafting_when_drafting_costs_more_than_it_commits(traine
     llm = adaptive(trained, 8, draft_cost=20.0)
     assert tokens(llm.generate(ps, PARAMS, use_tqdm=False)) == ref
     counts = llm.stats().spec_draft_len_counts
-    assert counts[0] == sum(counts.values()) > 0, counts
-    assert llm.stats().spec_num_drafts == 0
+    total = sum(counts.values())
+    # Plain steps, but for at most one exploring step after every 64 plain ones in a row
+    # (rust/src/draft_len.rs, EXPLORE_AFTER): a plain step learns nothing.
+    assert total > 0 and counts[0] >= total - (total // 65 + 1), counts
+    assert llm.stats().spec_num_drafts <= 8 * (total // 65 + 1)
 
 
 def test_adaptive_with_measured_costs_is_lossless_with_preemption(trained, reference):

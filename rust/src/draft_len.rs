@@ -48,6 +48,10 @@ pub const REQUEST_PRIOR_WEIGHT: f64 = 2.0;
 pub const PRIOR_FIRST: f64 = 0.6;
 /// Prior of p_j (j > 1): this factor times the estimate of p_{j-1}.
 pub const PRIOR_DECAY: f64 = 0.9;
+/// After this many consecutive steps that drafted nothing, the next step drafts the best
+/// k > 0 once: a step with k = 0 learns nothing, so an estimate that is too pessimistic (or a
+/// noisy cost table) would otherwise never be corrected. Costs at most one draft pass in 65.
+pub const EXPLORE_AFTER: u64 = 64;
 
 /// Drafts of a step with `num_decoding` decoding requests under a draft-length schedule of
 /// `(max_decoding, k)` pairs (ascending): the k of the first pair with num_decoding <=
@@ -245,6 +249,8 @@ pub struct DraftLen {
     costs: Option<StepCosts>,
     /// `chosen[k]`: planned steps with decoding requests that drafted k.
     chosen: Vec<u64>,
+    /// Planned steps with decoding requests since the last one that drafted (EXPLORE_AFTER).
+    zero_run: u64,
 }
 
 impl DraftLen {
@@ -257,6 +263,7 @@ impl DraftLen {
             requests: HashMap::new(),
             costs: None,
             chosen: vec![0; k_max + 1],
+            zero_run: 0,
         }
     }
 
@@ -309,7 +316,9 @@ impl DraftLen {
             }
         }
         let n = decoding.len();
+        let explore = self.zero_run >= EXPLORE_AFTER;
         let mut best = (f64::NEG_INFINITY, self.k_max);
+        let mut best_drafting = (f64::NEG_INFINITY, self.k_max);
         let mut ks = candidates.clone();
         ks.sort_unstable();
         for k in ks {
@@ -318,6 +327,12 @@ impl DraftLen {
             if rate > best.0 {
                 best = (rate, k);
             }
+            if k > 0 && rate > best_drafting.0 {
+                best_drafting = (rate, k);
+            }
+        }
+        if best.1 == 0 && explore && best_drafting.0.is_finite() {
+            return best_drafting.1;
         }
         best.1
     }
@@ -325,6 +340,7 @@ impl DraftLen {
     /// Counts a planned step with decoding requests that drafts `k`.
     pub(crate) fn record_choice(&mut self, k: usize) {
         self.chosen[k] += 1;
+        self.zero_run = if k == 0 { self.zero_run + 1 } else { 0 };
     }
 
     /// Learn from one committed step: `(handle, drafts proposed, drafts accepted)` of each of
@@ -543,6 +559,22 @@ mod tests {
         measured(&mut d, &[0.0; 7]);
         let seconds = (0..=7).map(|k| 1.0 + 0.01 * k as f64).collect();
         d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![seconds])).unwrap();
+        assert_eq!(d.choose(&[1]), 0);
+    }
+
+    #[test]
+    fn a_long_run_of_plain_steps_drafts_once_to_learn_again() {
+        let mut d = adaptive(7, vec![0, 3, 7]);
+        measured(&mut d, &[0.0; 7]);
+        let seconds = vec![1.0, 1.5, 2.0];
+        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![seconds])).unwrap();
+        for _ in 0..EXPLORE_AFTER {
+            assert_eq!(d.choose(&[1]), 0);
+            d.record_choice(0);
+        }
+        // The best drafting block (k = 3: the same expected tokens as 7, cheaper), once.
+        assert_eq!(d.choose(&[1]), 3);
+        d.record_choice(3);
         assert_eq!(d.choose(&[1]), 0);
     }
 

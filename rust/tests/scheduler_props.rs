@@ -197,7 +197,18 @@ impl DraftLenRef {
             tokens / row[k]
         };
         let best = candidates.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
-        candidates.iter().copied().filter(|&k| rate(k) >= best * (1.0 - 1e-9)).collect()
+        let set: Vec<usize> = candidates.iter().copied().filter(|&k| rate(k) >= best * (1.0 - 1e-9)).collect();
+        // After EXPLORE_AFTER steps in a row that drafted nothing, a step that would draft
+        // nothing drafts the best k > 0 instead.
+        let zeros = self.chosen.iter().rev().take_while(|&&k| k == 0).count() as u64;
+        let drafting: Vec<usize> = candidates.iter().copied().filter(|&k| k > 0).collect();
+        if set.contains(&0) && zeros >= _core::draft_len::EXPLORE_AFTER && !drafting.is_empty() {
+            let best_d = drafting.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
+            let mut out: Vec<usize> = drafting.into_iter().filter(|&k| rate(k) >= best_d * (1.0 - 1e-9)).collect();
+            out.extend(set.iter().copied().filter(|&k| k > 0));
+            return out;
+        }
+        set
     }
 
     fn check(&self, s: &Scheduler, live: &HashMap<u64, Model>) {

@@ -1,4 +1,4 @@
-"""DFlash draft model (see shared/design/DFLASH.md).
+"""DFlash draft model: a block-diffusion draft conditioned on the target's hidden states.
 
 The target conditions the draft only through context K/V: ctx = hidden_norm(fc(taps)) is
 projected by the k/v rows of each layer's qkv_proj (Attention.project_kv: k_norm + RoPE on

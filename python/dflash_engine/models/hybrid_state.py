@@ -7,7 +7,7 @@
                                                                (< 0: not kept)
 
 A slot is a whole state (conv window and recurrent state), so committing speculation is an
-index update and never a copy. The contract (HYBRID.md, "Rollback under verification"):
+index update and never a copy. The contract:
 - prefill / plain decode: read[r] = c[r], write = c[r] at the request's last row only;
 - verification of B rows: read[r] = c[r], write[t] = the request's t-th state slot; after
   accepting rows [0, a], the engine sets c[r] = the slot of row a. Every later step reads

@@ -90,7 +90,7 @@ def sample(logits: Tensor, st: SamplingTensors) -> Tensor:
 
 def accept(draft_tokens: Tensor, target_tokens: Tensor) -> Tensor:
     """draft [n, B-1], target [n, B] int64 -> accepted [n] int64: the number of leading i
-    with draft[:, i] == target[:, i] (d_{i+1} == t_i; DFLASH.md, step 3)."""
+    with draft[:, i] == target[:, i] (d_{i+1} == t_i: draft i+1 stands where the target sampled t_i)."""
     n, drafts = draft_tokens.shape
     if target_tokens.shape != (n, drafts + 1):
         raise ValueError(f"target_tokens {tuple(target_tokens.shape)} must be [{n}, {drafts + 1}]")

@@ -55,7 +55,7 @@ def model_card(out: Path, target: str, cfg: TrainConfig, dcfg: DataConfig, res: 
     """README.md of a trained draft: how it was made and how to serve it."""
     return f"""# DFlash draft for `{target}`
 
-Trained with `dflash-engine train-draft` (this engine; recipe: DFLASH.md, "Training a draft").
+Trained with `dflash-engine train-draft` (this engine; the recipe: python/dflash_engine/train/__init__.py).
 
 - Command: `dflash-engine train-draft {' '.join(argv)}`
 - Draft: {cfg.num_layers} layers, block size {cfg.block_size}, taps {res.target_layer_ids},

@@ -1,4 +1,4 @@
-"""A launched step whose results are on their way to the host (issue 10, item 3).
+"""A launched step whose results are on their way to the host (the host/device overlap).
 
 The runner launches all of a step's device work, ending with one non-blocking copy of
 (accepted, sampled) into pinned host memory, and records a CUDA event after it. `wait()`

@@ -24,7 +24,7 @@ from .graph_runner import batch_buckets
 _CPU_PROBE_BUCKETS = (1, 4, 16)
 _CPU_PROBE_CONTEXT = 256
 _GPU_REPS = 10
-_CPU_REPS = 2
+_CPU_REPS = 3
 
 
 @dataclass(frozen=True)
