@@ -104,6 +104,18 @@ def build_tokenizer(ranks: dict[bytes, int]):
     return tok
 
 
+def qwen_tokenizer_config(decoder: dict[str, Any], chat_template: str, model_max_length: int,
+                          **extra: Any) -> dict[str, Any]:
+    """tokenizer_config.json of a Qwen tokenizer (Qwen3 and Qwen3.5 alike): `decoder` is its
+    added_tokens_decoder; `extra` adds keys (e.g. additional_special_tokens)."""
+    return dict(sorted({
+        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder, "bos_token": None,
+        "chat_template": chat_template, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
+        "errors": "replace", "model_max_length": model_max_length, "pad_token": "<|endoftext|>",
+        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None, **extra,
+    }.items()))
+
+
 def write_qwen3_5_tokenizer(out_dir: str | Path, chat_template: str, model_max_length: int = 262144) -> None:
     """tokenizer.json and tokenizer_config.json of the Qwen3.5 tokenizer into `out_dir`."""
     out = Path(out_dir)
@@ -113,19 +125,5 @@ def write_qwen3_5_tokenizer(out_dir: str | Path, chat_template: str, model_max_l
                  "special": True}
         for name, i in SPECIAL_IDS.items()
     }
-    config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": decoder,
-        "bos_token": None,
-        "chat_template": chat_template,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": model_max_length,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
+    config = qwen_tokenizer_config(decoder, chat_template, model_max_length)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

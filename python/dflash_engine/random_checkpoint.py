@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .models.config import draft_config_dict, write_draft_config
+from .qwen3_5_tokenizer import qwen_tokenizer_config
 from .runtime_config import resolve_device
 
 QWEN3_VOCAB_SIZE = 151936
@@ -366,22 +367,8 @@ def write_tokenizer(out_dir: Path, model_max_length: int = 131072) -> None:
         str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
         for t in added
     }
-    _write_json(out_dir / "tokenizer_config.json", {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": decoder,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": model_max_length,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    })
+    _write_json(out_dir / "tokenizer_config.json", qwen_tokenizer_config(
+        decoder, CHAT_TEMPLATE, model_max_length, additional_special_tokens=["<|im_start|>", "<|im_end|>"]))
 
 
 # ----------------------------------------------------------------------------- the command
