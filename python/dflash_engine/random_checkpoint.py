@@ -306,16 +306,18 @@ def write_safetensors_streaming(
 def write_sharded_weights(
     out_dir: Path, shapes: dict[str, tuple[int, ...]], dtype: str, device: torch.device, seed: int,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log: Callable[[str], None] | None = None,
-    seed_names: Callable[[str], str] = lambda name: name,
+    seed_names: Callable[[str], str] = lambda name: name, tensor: Callable | None = None,
 ) -> list[str]:
     """Random weights for `shapes` as safetensors shards (+ model.safetensors.index.json when
-    there is more than one). Tensor `name` is drawn with the seed of `seed_names(name)`.
-    Returns the file names written."""
+    there is more than one). Tensor `name` is `tensor(name, shape, dtype, device, seed)`
+    (default: `random_tensor` with the seed of `seed_names(name)`). Returns the file names."""
     itemsize = torch.empty((), dtype=_DTYPES[dtype][0]).element_size()
     shards = plan_shards(shapes, itemsize, max_shard_bytes)
     files = shard_file_names(len(shards))
 
     def make(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if tensor is not None:
+            return tensor(name, shape, _DTYPES[dtype][0], device, seed)
         return random_tensor(seed_names(name), shape, _DTYPES[dtype][0], device, seed)
 
     total = 0
@@ -413,13 +415,38 @@ def make_random_checkpoint(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Write the target (and the draft) and return a summary: configs, files, bytes, seconds."""
-    log = log or (lambda _msg: None)
     tcfg = target_config(shape, dtype)
     dcfg = draft_config(tcfg, draft_layers or DRAFT_LAYERS[shape], dtype=dtype) if draft_dir is not None else None
+
+    def target_files(path: Path) -> None:
+        _write_json(path / "config.json", tcfg)
+        _write_json(path / "generation_config.json", generation_config(tcfg))
+        write_tokenizer(path)
+
+    def weights(path: Path, cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]], dev: torch.device) -> list[str]:
+        return write_sharded_weights(path, shapes, dtype, dev, seed, max_shard_bytes, log,
+                                     seed_names=lambda name: seed_name(name, cfg))
+
+    return write_checkpoints(shape, dtype, device, out_dir, tcfg, target_tensor_shapes(tcfg), draft_dir, dcfg,
+                             draft_tensor_shapes(dcfg) if dcfg else None, target_files, weights,
+                             config_only=config_only, overwrite=overwrite, log=log)
+
+
+def write_checkpoints(
+    shape: str, dtype: str, device: str, out_dir: str | Path, tcfg: dict[str, Any],
+    target_shapes: dict[str, tuple[int, ...]], draft_dir: str | Path | None, dcfg: dict[str, Any] | None,
+    draft_shapes: dict[str, tuple[int, ...]] | None, target_files: Callable[[Path], None],
+    weights: Callable[[Path, dict[str, Any], dict[str, tuple[int, ...]], torch.device], list[str]], *,
+    config_only: bool, overwrite: bool, log: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """The writing every shape shares: directories checked and prepared, disk space checked,
+    the target's files (`target_files`: config, generation config, tokenizer) and the draft's
+    config, then the weights (`weights(path, cfg, shapes, device)`); returns the summary."""
+    log = log or (lambda _msg: None)
     out = Path(out_dir)
-    jobs: list[tuple[Path, dict[str, Any], dict[str, tuple[int, ...]]]] = [(out, tcfg, target_tensor_shapes(tcfg))]
+    jobs: list[tuple[Path, dict[str, Any], dict[str, tuple[int, ...]]]] = [(out, tcfg, target_shapes)]
     if dcfg is not None:
-        jobs.append((Path(draft_dir), dcfg, draft_tensor_shapes(dcfg)))
+        jobs.append((Path(draft_dir), dcfg, draft_shapes))
     if len({p.resolve() for p, _, _ in jobs}) != len(jobs):
         raise ValueError("the draft directory must differ from the target directory")
     need = sum(checkpoint_bytes(shapes, dtype) for _, _, shapes in jobs)
@@ -439,9 +466,7 @@ def make_random_checkpoint(
     for i, (path, cfg, shapes) in enumerate(jobs):
         role = "target" if i == 0 else "draft"
         if role == "target":
-            _write_json(path / "config.json", cfg)
-            _write_json(path / "generation_config.json", generation_config(cfg))
-            write_tokenizer(path)
+            target_files(path)
         else:
             write_draft_config(path, cfg)
         if config_only:
@@ -449,8 +474,7 @@ def make_random_checkpoint(
             continue
         log(f"{role} ({shape}, {dtype}, on {dev}): {sum(_numel(s) for s in shapes.values()):,} parameters, "
             f"{checkpoint_bytes(shapes, dtype) / 1e9:.2f} GB -> {path}")
-        summary[role]["files"] = write_sharded_weights(
-            path, shapes, dtype, dev, seed, max_shard_bytes, log, seed_names=lambda name, c=cfg: seed_name(name, c))
+        summary[role]["files"] = weights(path, cfg, shapes, dev)
     summary["seconds"] = time.perf_counter() - t_start
     return summary
 

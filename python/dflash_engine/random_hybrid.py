@@ -28,8 +28,6 @@ Text-model parameters from these shapes: 26.9 B (27B) and 4.21 B (4B); `paramete
 """
 from __future__ import annotations
 
-import shutil
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -37,26 +35,21 @@ from typing import Any
 
 import torch
 
-from .models.config import FULL_ATTENTION, SLIDING_ATTENTION, draft_config_dict, write_draft_config
+from .models.config import FULL_ATTENTION, SLIDING_ATTENTION, draft_config_dict
 from .models.qwen3_5_config import HybridConfig
 from .qwen3_5_tokenizer import SPECIAL_IDS, write_qwen3_5_tokenizer
 from .random_checkpoint import (
-    _DTYPES,
     CHAT_TEMPLATE,
     DEFAULT_MAX_SHARD_BYTES,
     INIT_STD,
     _check_dtype,
     _numel,
-    _prepare_dir,
     _write_json,
-    checkpoint_bytes,
     draft_tensor_shapes,
     make_random_checkpoint,
-    plan_shards,
-    shard_file_names,
-    write_safetensors_streaming,
+    write_checkpoints,
+    write_sharded_weights,
 )
-from .runtime_config import resolve_device
 
 VOCAB_SIZE = 248320  # the embedding rows: 248,077 tokens padded
 ENDOFTEXT_ID, IM_END_ID = SPECIAL_IDS["<|endoftext|>"], SPECIAL_IDS["<|im_end|>"]
@@ -225,26 +218,6 @@ def draft_random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, d
     return random_tensor(name, shape, dtype, device, seed)
 
 
-def write_weights(out_dir: Path, shapes: dict[str, tuple[int, ...]], dtype: str, device: torch.device, seed: int,
-                  make: Callable, max_shard_bytes: int, log: Callable[[str], None]) -> list[str]:
-    """Shards (+ model.safetensors.index.json when several) of `make(name, shape, ...)` tensors."""
-    itemsize = torch.empty((), dtype=_DTYPES[dtype][0]).element_size()
-    shards = plan_shards(shapes, itemsize, max_shard_bytes)
-    files = shard_file_names(len(shards))
-    total = 0
-    for file, names in zip(files, shards):
-        t0 = time.perf_counter()
-        nbytes = write_safetensors_streaming(
-            out_dir / file, names, shapes, dtype, lambda n, s: make(n, s, _DTYPES[dtype][0], device, seed))
-        total += nbytes
-        log(f"  {file}: {len(names)} tensors, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
-    if len(files) > 1:
-        weight_map = {name: file for file, names in zip(files, shards) for name in names}
-        _write_json(out_dir / "model.safetensors.index.json",
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-    return files
-
-
 def make_hybrid_checkpoint(
     shape: str, out_dir: str | Path, draft_dir: str | Path | None = None, device: str = "auto", seed: int = 0,
     dtype: str = "bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, config_only: bool = False,
@@ -252,43 +225,21 @@ def make_hybrid_checkpoint(
 ) -> dict[str, Any]:
     """Write the Qwen3.5 target (and the sliding-window draft); the summary of
     random_checkpoint.make_random_checkpoint."""
-    log = log or (lambda _msg: None)
     tcfg = target_config(shape, dtype)
     dcfg = draft_config(tcfg, shape, draft_layers, dtype) if draft_dir is not None else None
-    out = Path(out_dir)
-    jobs = [(out, tcfg, target_tensor_shapes(tcfg), random_tensor)]
-    if dcfg is not None:
-        jobs.append((Path(draft_dir), dcfg, draft_tensor_shapes(dcfg), draft_random_tensor))
-    if len({p.resolve() for p, *_ in jobs}) != len(jobs):
-        raise ValueError("the draft directory must differ from the target directory")
-    need = sum(checkpoint_bytes(shapes, dtype) for _, _, shapes, _ in jobs)
-    dev = resolve_device(device)
-    summary: dict[str, Any] = {"shape": shape, "dtype": dtype, "device": str(dev), "bytes": need,
-                               "target": {"dir": str(out), "config": tcfg}}
-    if dcfg is not None:
-        summary["draft"] = {"dir": str(draft_dir), "config": dcfg}
-    for path, *_ in jobs:
-        _prepare_dir(path, overwrite)
-    if not config_only and shutil.disk_usage(out).free < need:
-        raise OSError(f"{need / 1e9:.1f} GB of weights to write but only "
-                      f"{shutil.disk_usage(out).free / 1e9:.1f} GB free under {out}")
-    t_start = time.perf_counter()
-    for i, (path, cfg, shapes, make) in enumerate(jobs):
-        role = "target" if i == 0 else "draft"
-        if role == "target":
-            _write_json(path / "config.json", cfg)
-            _write_json(path / "generation_config.json", generation_config())
-            write_qwen3_5_tokenizer(path, CHAT_TEMPLATE)
-        else:
-            write_draft_config(path, cfg)
-        if config_only:
-            summary[role]["files"] = []
-            continue
-        log(f"{role} ({shape}, {dtype}, on {dev}): {sum(_numel(s) for s in shapes.values()):,} parameters, "
-            f"{checkpoint_bytes(shapes, dtype) / 1e9:.2f} GB -> {path}")
-        summary[role]["files"] = write_weights(path, shapes, dtype, dev, seed, make, max_shard_bytes, log)
-    summary["seconds"] = time.perf_counter() - t_start
-    return summary
+
+    def target_files(path: Path) -> None:
+        _write_json(path / "config.json", tcfg)
+        _write_json(path / "generation_config.json", generation_config())
+        write_qwen3_5_tokenizer(path, CHAT_TEMPLATE)
+
+    def weights(path: Path, cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]], dev: torch.device) -> list[str]:
+        make = random_tensor if cfg is tcfg else draft_random_tensor
+        return write_sharded_weights(path, shapes, dtype, dev, seed, max_shard_bytes, log, tensor=make)
+
+    return write_checkpoints(shape, dtype, device, out_dir, tcfg, target_tensor_shapes(tcfg), draft_dir, dcfg,
+                             draft_tensor_shapes(dcfg) if dcfg else None, target_files, weights,
+                             config_only=config_only, overwrite=overwrite, log=log)
 
 
 def make_checkpoint(shape: str, out_dir: str | Path, *args, **kwargs) -> dict[str, Any]:
