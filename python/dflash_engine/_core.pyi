@@ -31,6 +31,9 @@ def pages_per_seq(max_model_len: int, reserve_rows: int, page_size: int) -> int:
 def state_slots_per_seq(num_speculative_tokens: int) -> int:
     """State slots a decoding request of a hybrid target holds: the committed one + one per verify row."""
 
+def draft_pass_rows(block_rows: int, draft_block_rows: int) -> int:
+    """D of a step verifying block_rows rows: max(B, the draft's block), 0 when B = 1."""
+
 def profile_plan(num_tokens: int, max_num_seqs: int, block_rows: int, draft_block_rows: int, reserve_rows: int,
                  max_model_len: int, page_size: int, mask_token_id: int, state_slots: bool = False) -> StepPlan:
     """The largest eager step, over a 2-page KV cache (no ticket: it is never committed);

@@ -447,7 +447,7 @@ class LLMEngine:
             s, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions,
             spec_accepted_per_pos=list(s.spec_accepted_per_pos),
-            spec_draft_len_counts=self.scheduler.draft_len_counts(),
+            spec_draft_len_counts=self.scheduler.draft_len_counts() if self.num_speculative_tokens else {},
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             step_busy_seconds=busy, step_idle_seconds=idle, num_steps=steps,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import envs
+from . import _core, envs
 from .config import EngineConfig, synthetic_rates
 from .cpu import resolve_format
 from .model_path import is_gguf_model, resolve_model_path
@@ -96,8 +96,8 @@ class RuntimeConfig:
         return max(self.block_rows, self.draft_rows)
 
     def draft_rows_for(self, block_rows: int) -> int:
-        """D of a step verifying `block_rows` rows: no draft pass without drafts."""
-        return max(block_rows, self.draft_rows) if block_rows > 1 and self.draft_rows else 0
+        """D of a step verifying `block_rows` rows (the core's rule; 0: no draft pass)."""
+        return _core.draft_pass_rows(block_rows, self.draft_rows)
 
     @property
     def draft_lengths(self) -> list[int]:

@@ -24,6 +24,6 @@ mod python;
 pub use draft_len::{draft_len_for, expected_tokens, DraftLen, DraftLenPolicy, StepCosts};
 pub use error::{CoreError, CoreResult, Param};
 pub use page_pool::{PageId, PageList, PagePool, NULL_PAGE};
-pub use plan::{EntryKind, PassArrays, PlanEntry, StepPlan, StepTicket};
+pub use plan::{draft_pass_rows, EntryKind, PassArrays, PlanEntry, StepPlan, StepTicket};
 pub use request::{Applied, FinishReason, Phase, Request};
 pub use scheduler::{pages_per_seq, state_slots_per_seq, CommitBatch, Refused, Scheduler, SchedulerConfig};

@@ -94,6 +94,14 @@ impl PassArrays {
     }
 }
 
+/// D: rows of each draft block in a step verifying `block_rows` (B) rows, for a draft trained
+/// on blocks of `draft_block_rows`: max(B, that block), or 0 (no draft pass) when B = 1. The
+/// one definition (the scheduler, the profile plan and, through the binding, the runner's
+/// graph buffers use it).
+pub fn draft_pass_rows(block_rows: usize, draft_block_rows: usize) -> usize {
+    if block_rows > 1 { block_rows.max(draft_block_rows) } else { 0 }
+}
+
 /// The draft pass of a step: one block of `rows` (D) rows per decoding request.
 #[derive(Debug, Default)]
 pub struct DraftPass {

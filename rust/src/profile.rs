@@ -11,7 +11,7 @@
 //! step keeps (a prefill chunk's last row, every verify row) in slot 1.
 
 use crate::error::{CoreError, CoreResult};
-use crate::plan::{EntryKind, PlanEntry, StepPlan};
+use crate::plan::{draft_pass_rows, EntryKind, PlanEntry, StepPlan};
 use crate::scheduler::pages_per_seq;
 
 #[allow(clippy::too_many_arguments)]
@@ -41,7 +41,7 @@ pub fn profile_plan(
         q_lens.push(q);
         rest -= q;
     }
-    let d = if b > 1 { b.max(draft_block_rows) } else { 0 };
+    let d = draft_pass_rows(b, draft_block_rows);
     let width = pages_per_seq(max_model_len, reserve_rows, ps);
     let mask = mask_token_id as i64;
     let slot = |i: usize| (ps + i % ps) as i64; // page 1, over and over

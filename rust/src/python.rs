@@ -605,6 +605,14 @@ fn py_state_slots_per_seq(num_speculative_tokens: usize) -> usize {
     state_slots_per_seq(num_speculative_tokens)
 }
 
+/// D of a step verifying `block_rows` rows with a draft trained on `draft_block_rows`-row
+/// blocks (0: no draft pass).
+#[pyfunction]
+#[pyo3(name = "draft_pass_rows")]
+fn py_draft_pass_rows(block_rows: usize, draft_block_rows: usize) -> usize {
+    crate::plan::draft_pass_rows(block_rows, draft_block_rows)
+}
+
 /// The largest eager step the engine can run, as a plan over a 2-page KV cache (see
 /// `profile::profile_plan`); it carries no ticket (nothing commits it).
 #[pyfunction]
@@ -649,6 +657,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FINISH_REASONS", FinishReason::NAMES.to_vec())?;
     m.add_function(wrap_pyfunction!(py_pages_per_seq, m)?)?;
     m.add_function(wrap_pyfunction!(py_profile_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(py_draft_pass_rows, m)?)?;
     m.add_function(wrap_pyfunction!(py_draft_len_for, m)?)?;
     m.add_function(wrap_pyfunction!(py_state_slots_per_seq, m)?)?;
     Ok(())

@@ -499,7 +499,7 @@ impl Scheduler {
         plan.sample_rows.reserve(num_decode * b + chosen.len());
         plan.verify_target_rows.reserve(num_decode * b);
         // D: the draft block (see plan.rs); no draft pass when the step verifies no drafts.
-        let d = if b > 1 { b.max(self.cfg.draft_block_rows) } else { 0 };
+        let d = crate::plan::draft_pass_rows(b, self.cfg.draft_block_rows);
         plan.draft.rows = d;
         plan.entries.reserve(chosen.len());
         let t = &mut plan.target;

@@ -377,7 +377,7 @@ impl Harness {
                     assert_eq!(before[&e.handle], (Phase::Decoding, committed));
                     // The draft pass: this request's block of D rows, in its own pages.
                     let d = plan.draft.rows;
-                    assert_eq!(d, if plan.block_rows > 1 { plan.block_rows.max(self.s.config().draft_block_rows) } else { 0 });
+                    assert_eq!(d, if plan.block_rows > 1 { plan.block_rows.max(self.s.config().draft_block_rows) } else { 0 }); // (the rule, written out)
                     let i = plan.entries.iter().position(|x| x.handle == e.handle).unwrap();
                     for (j, row) in (i * d..(i + 1) * d).enumerate() {
                         assert_eq!(plan.draft.positions[row], (committed + j) as i64);
