@@ -164,7 +164,8 @@ class ModelRunner:
         shapes = {(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
                   for c in [self.rc.model_config] + ([self.rc.draft_config] if self.rc.draft_config else [])}
         for heads, kv_heads, head_dim in sorted(shapes):
-            n += warmup(heads, kv_heads, head_dim, self.rc.page_size, self.rc.dtype, self.device)
+            n += warmup(heads, kv_heads, head_dim, self.rc.page_size, self.rc.dtype, self.device,
+                        exact=self.rc.batch_invariant)
         torch.cuda.synchronize(self.device)
         logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
 
