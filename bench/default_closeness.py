@@ -1,0 +1,189 @@
+"""Issue 21, item 2: how often the default (not exact) GPU mode's spec-on output equals spec-off,
+and which op makes a row's bits depend on the step it runs in.
+
+    python bench/default_closeness.py --rows
+    python bench/default_closeness.py --e2e VARIANT --draft DRAFT_DIR [--sets chat] [--concurrency 1]
+        [--limit 64] [--max-tokens 256] [--draft-lengths 15,adaptive] [--json out.json]
+
+--rows (random weights, no checkpoint): does a row's result depend on the rows beside it?
+  - cuBLAS (F.linear, bf16) at the SmolLM2-135M and Qwen3-8B GEMM shapes: row 0 of an M-row
+    call against row 0 computed alone, M = 1 .. 64;
+  - the attention kernel (default mode): a token decoded as a 1-row request against the same
+    token inside a 16-row verify block, with the decode call's tile geometry chosen from its own
+    query length (today) or from 16 rows ("tile16"), at batch 1 and 32; and the decode call's
+    time under both geometries.
+--e2e: bench/eval_draft.py's spec-off vs spec-on comparison on the embedded SmolLM2 with a
+  draft, with ops/dispatch patched per VARIANT ("+"-joined):
+  default  as shipped;
+  tile16   causal attention calls of fewer than 16 query rows use the 16-row tile geometry;
+  logits   the logits from the exact GEMM (kernels/gemm.py, float32 out);
+  gemm     every Linear through the exact GEMM.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+DEV = "cuda"
+SHAPES = {  # name -> (heads, kv heads, head dim, {GEMM: (K, N)})
+    "smollm2": (9, 3, 64, {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+                           "logits": (576, 49152)}),
+    "qwen3-8b": (32, 8, 128, {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576),
+                              "down": (12288, 4096), "logits": (4096, 151936)}),
+}
+PAGE = 16
+
+
+def gemm_rows() -> None:
+    print("cuBLAS bf16: is row 0 of an M-row F.linear equal to row 0 alone? (y = equal)")
+    ms = (1, 2, 4, 8, 16, 17, 32, 64)
+    print(f"  {'shape':<18}" + "".join(f"{m:>4}" for m in ms))
+    for model, (_, _, _, gemms) in SHAPES.items():
+        for name, (k, n) in gemms.items():
+            x = torch.randn(64, k, device=DEV, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+            alone = F.linear(x[:1], w)[0]
+            cells = ["y" if torch.equal(F.linear(x[:m], w)[0], alone) else "." for m in ms]
+            print(f"  {model + ' ' + name:<18}" + "".join(f"{c:>4}" for c in cells))
+
+
+def attention_rows() -> None:
+    from dflash_engine.kernels.attention import paged_attention
+
+    print("attention (default mode): decode row == the same row in a 16-row verify block?")
+    for model, (heads, kv, d, _) in SHAPES.items():
+        gen = torch.Generator().manual_seed(0)
+        for batch in (1, 32):
+            for ctx in (300, 1000, 2000):
+                width = -(-2048 // PAGE) + 2
+                pages = batch * width + 1
+                kc = torch.randn(pages, PAGE, kv, d, generator=gen).to(DEV, torch.bfloat16)
+                vc = torch.randn(pages, PAGE, kv, d, generator=gen).to(DEV, torch.bfloat16)
+                table = (torch.arange(batch * width, dtype=torch.int32).view(batch, width) + 1).to(DEV)
+                blocks = torch.randn(batch, 16, heads, d, generator=gen).to(DEV, torch.bfloat16)
+                qsl = torch.arange(0, 16 * batch + 1, 16, dtype=torch.int32, device=DEV)
+                lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+                verify = paged_attention(blocks.flatten(0, 1), kc, vc, qsl, lens, table, d**-0.5, True, 16)
+                verify = verify.view(batch, 16, heads, d)
+                same = {1: 0, 16: 0}
+                for i in range(16):
+                    q = blocks[:, i].contiguous()
+                    dqsl = torch.arange(0, batch + 1, dtype=torch.int32, device=DEV)
+                    dlens = lens - 15 + i
+                    for geom in same:
+                        out = paged_attention(q, kc, vc, dqsl, dlens, table, d**-0.5, True, geom)
+                        same[geom] += int(torch.equal(out, verify[:, i]))
+                print(f"  {model:<9} batch={batch:<3} ctx={ctx:<5} rows equal (of 16): own geometry {same[1]:>2},"
+                      f" tile16 {same[16]:>2}")
+
+
+def attention_time() -> None:
+    import triton.testing
+
+    from dflash_engine.kernels.attention import paged_attention
+
+    print("decode attention us per call (CUDA-graph replay): own geometry | tile16")
+    for model, (heads, kv, d, _) in SHAPES.items():
+        for ctx in (1024, 4096):
+            for batch in (1, 8, 32, 64):
+                width = -(-ctx // PAGE)
+                kc = torch.randn(batch * width + 1, PAGE, kv, d, device=DEV, dtype=torch.bfloat16)
+                vc = torch.randn_like(kc)
+                table = (torch.arange(batch * width, dtype=torch.int32).view(batch, width) + 1).to(DEV)
+                q = torch.randn(batch, heads, d, device=DEV, dtype=torch.bfloat16)
+                qsl = torch.arange(0, batch + 1, dtype=torch.int32, device=DEV)
+                lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+                t = [1e3 * triton.testing.do_bench_cudagraph(
+                    lambda g=g: paged_attention(q, kc, vc, qsl, lens, table, d**-0.5, True, g), rep=30)
+                    for g in (1, 16)]
+                print(f"  {model:<9} ctx={ctx:<5} batch={batch:<3} {t[0]:7.1f} | {t[1]:7.1f}")
+
+
+def patch(variant: str) -> None:
+    from dflash_engine.ops import dispatch
+
+    parts = set(variant.split("+")) - {"default"}
+    unknown = parts - {"tile16", "logits", "gemm"}
+    if unknown:
+        raise SystemExit(f"unknown variant part(s): {sorted(unknown)}")
+    if "tile16" in parts:
+        attend = dispatch.paged_attention
+
+        def paged_attention(q, k_cache, v_cache, meta, scale, batch_invariant=False, window=None):
+            if meta.causal and meta.max_query_len < 16:
+                meta = dataclasses.replace(meta, max_query_len=16)
+            return attend(q, k_cache, v_cache, meta, scale, batch_invariant, window)
+
+        dispatch.paged_attention = paged_attention
+    if "logits" in parts:
+        from dflash_engine.kernels import gemm
+
+        dispatch.logits = lambda hidden, weight, bi: gemm.matmul(hidden, weight, None, out_dtype=torch.float32)
+    if "gemm" in parts:
+        from dflash_engine.kernels import gemm
+
+        dispatch.linear = lambda x, weight, bias, bi: gemm.matmul(x, weight, bias)
+
+
+def e2e(args) -> int:
+    import eval_draft
+
+    patch(args.e2e)
+    sets = {"humaneval": eval_draft.humaneval_prompts, "chat": lambda: list(eval_draft.CHAT_PROMPTS)}
+    rows = []
+    for name in args.sets.split(","):
+        prompts = sets[name]()[: args.limit]
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=False, max_model_len=2048,
+                      gpu_memory_utilization=0.3)
+            off, off_tokens = eval_draft.run(None, None, prompts, c, **kw)
+            for k in args.draft_lengths.split(","):
+                on, on_tokens = eval_draft.run(None, args.draft, prompts, c, **kw, draft_length=k)
+                same = sum(a == b for a, b in zip(on_tokens, off_tokens))
+                first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                         for a, b in zip(on_tokens, off_tokens) if a != b]
+                row = {"variant": args.e2e, "set": name, "c": c, "k": on["k"], "same": f"{same}/{len(prompts)}",
+                       "first_diff_tokens": sorted(first), "tok_s_off": off["tok_s"], "tok_s_on": on["tok_s"],
+                       "tau": on["tau"]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", action="store_true")
+    ap.add_argument("--e2e", default=None, metavar="VARIANT")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--sets", default="chat")
+    ap.add_argument("--concurrency", default="1")
+    ap.add_argument("--limit", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--draft-lengths", default="15,adaptive")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="--e2e only (cpu: a smoke run)")
+    args = ap.parse_args(argv)
+    if args.rows:
+        gemm_rows()
+        attention_rows()
+        attention_time()
+    if args.e2e:
+        if not args.draft:
+            ap.error("--e2e needs --draft")
+        return e2e(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
