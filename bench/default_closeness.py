@@ -143,7 +143,7 @@ def e2e(args) -> int:
         prompts = sets[name]()[: args.limit]
         for c in [int(x) for x in args.concurrency.split(",")]:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=False, max_model_len=2048,
-                      gpu_memory_utilization=0.3)
+                      gpu_memory_utilization=0.9, num_gpu_blocks_override=4096)  # a dropped engine's memory is not always given back: a fixed KV pool each
             off, off_tokens = eval_draft.run(None, None, prompts, c, **kw)
             for k in args.draft_lengths.split(","):
                 on, on_tokens = eval_draft.run(None, args.draft, prompts, c, **kw, draft_length=k)
@@ -155,9 +155,9 @@ def e2e(args) -> int:
                        "tau": on["tau"]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+                if args.json:  # after every row: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
     return 0
 
 

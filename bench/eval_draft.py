@@ -103,7 +103,8 @@ def humaneval_prompts() -> list[str]:
 
 def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str, batch_invariant: bool,
         max_model_len: int, gpu_memory_utilization: float, draft_length: str | None = None,
-        cpu_weights: str = "auto"):
+        cpu_weights: str = "auto", **engine_kw):
+    """One engine over `prompts` at concurrency c. `engine_kw`: more LLM(...) arguments."""
     from dflash_engine import LLM, SamplingParams
 
     spec = None
@@ -113,7 +114,7 @@ def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str,
             spec["num_speculative_tokens"] = int(draft_length)
     llm = LLM(model=target, speculative_config=spec, max_num_seqs=c, device=device,
               batch_invariant=batch_invariant, max_model_len=max_model_len,
-              gpu_memory_utilization=gpu_memory_utilization, cpu_weights=cpu_weights)
+              gpu_memory_utilization=gpu_memory_utilization, cpu_weights=cpu_weights, **engine_kw)
     rc = llm.engine.runtime_config
     k = rc.num_speculative_tokens if rc.draft_len_policy != "adaptive" else f"a{rc.num_speculative_tokens}"
     convs = [[{"role": "user", "content": p}] for p in prompts]
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: 'adaptive' (the engine's default policy) and/or fixed K values; one "
                          "spec-on run each against one spec-off run")
     ap.add_argument("--cpu-weights", default="auto", help="the engine's cpu_weights (auto, none, bf16, int4)")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None,
+                    help="a fixed KV pool per engine (num_gpu_blocks_override), so that an engine whose memory "
+                         "is not given back does not starve the next one of the process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     sets = {"humaneval": humaneval_prompts, "chat": lambda: list(CHAT_PROMPTS)}
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in [int(x) for x in args.concurrency.split(",")]:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,
                       max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                      cpu_weights=args.cpu_weights)
+                      cpu_weights=args.cpu_weights, num_gpu_blocks_override=args.num_gpu_blocks)
             off, off_tokens = run(args.target, None, prompts, c, **kw)
             off.update(set=name, same_as_spec_off="-")
             rows.append(off)
