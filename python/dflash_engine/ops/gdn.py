@@ -6,6 +6,9 @@ the same slot contract (models/hybrid_state.py's StateMetadata):
 - `read[r]`: the slot sequence r's state is read from (< 0: no state yet, start from zeros);
 - `write[t]`: the slot that receives the state after row t (< 0: not kept).
 All states are read before any is written, so a request may write the slot it read.
+
+`dispatch.use_kernels(x)` sends each op to its Triton kernel (kernels/gdn.py), which takes
+device tensors only; the torch path below is the CPU oracle.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import dispatch
 from .delta_rule import chunk_gated_delta_rule, host_list, read_slots, recurrent_gated_delta_rule
 
 
@@ -36,7 +40,12 @@ def causal_conv1d(
 
     x [T, C]; weight [C, K]; conv_pool [S, C, K-1] (the activation dtype). The window after
     row t (its last K-1 inputs, row t included) is stored at conv_pool[write[t]]. The conv
-    runs in the weight's dtype and the result comes back in x's (as transformers does)."""
+    runs in the weight's dtype and the result comes back in x's (as transformers does).
+    The kernel path takes `cu_seqlens` as a device tensor as is (a host list is copied)."""
+    if dispatch.use_kernels(x):
+        from ..kernels import gdn as _kernels
+
+        return _kernels.causal_conv1d(x, weight, _device_index(cu_seqlens, x.device), conv_pool, read, write)
     cu = host_list(cu_seqlens)
     width = weight.shape[1] - 1
     windows = read_slots(conv_pool, read)  # [R, C, K-1]
@@ -82,11 +91,18 @@ def _rows(cu: list[int], seqs: list[int], device) -> tuple[Tensor, list[int]]:
 def gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Sequence[int], state_pool: Tensor,
     read: Tensor, write: Tensor, write_host: Sequence[int], per_token: Sequence[bool], chunk_size: int = 64,
+    query_start_loc: Tensor | None = None,
 ) -> Tensor:
     """The delta rule of a flat batch over a state pool [S, H_v, d_k, d_v], q/k l2-normed.
     Sequences flagged in `per_token` (see `per_token_sequences`) run the recurrent form and
     keep every state `write` asks for; the others run chunked and keep their final state
-    at their last row's write slot. Returns o [T, H_v, d_v]."""
+    at their last row's write slot. Returns o [T, H_v, d_v].
+
+    `query_start_loc`: cu_seqlens on the device (the attention metadata's), for the kernel
+    path; without it the host list is copied there."""
+    if dispatch.use_kernels(v):
+        return _gated_delta_rule_kernels(q, k, v, g, beta, cu_seqlens, state_pool, read, write, write_host,
+                                         per_token, chunk_size, query_start_loc)
     cu = list(cu_seqlens)
     out = torch.empty_like(v)
     groups = ([r for r, p in enumerate(per_token) if p], [r for r, p in enumerate(per_token) if not p])
@@ -120,9 +136,57 @@ def gated_delta_rule(
     return out
 
 
+def _device_index(x: Tensor | Sequence[int], device) -> Tensor:
+    if isinstance(x, Tensor):
+        return x.to(device)
+    return torch.tensor(list(x), dtype=torch.int64, device=device)
+
+
+def _gated_delta_rule_kernels(q, k, v, g, beta, cu_seqlens, state_pool, read, write, write_host, per_token,
+                              chunk_size, query_start_loc):
+    """gated_delta_rule on the kernel path. A step whose sequences all run per token (or
+    are empty: a graph's padding) is ONE launch of the fused recurrent kernel, without host
+    lists (decode / verify: what a CUDA graph captures). A mixed step runs its per-token
+    sequences in place (one launch, `seq_ids`) and gathers the chunked ones' rows for the
+    chunked form (fla on CUDA), whose final states go to their last row's write slot."""
+    from ..kernels import gdn as _kernels
+
+    cu_dev = _device_index(cu_seqlens if query_start_loc is None else query_start_loc, v.device)
+    chunked = [r for r, p in enumerate(per_token) if not p]
+    if chunked:  # host lengths are read only here: empty sequences need no chunked pass
+        cu = list(cu_seqlens)
+        chunked = [r for r in chunked if cu[r + 1] > cu[r]]
+    if not chunked:
+        return _kernels.fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_dev, state_pool, read, write)
+    out = torch.empty_like(v)
+    recurrent = [r for r, p in enumerate(per_token) if p]
+    if recurrent:
+        _kernels.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, cu_dev, state_pool, read, write,
+            seq_ids=torch.tensor(recurrent, dtype=torch.int64, device=v.device), out=out)
+    # every per-token sequence's slots differ from these reads: reading after its writes is safe
+    idx, sub_cu = _rows(cu, chunked, v.device)
+    sub_read = read.index_select(0, torch.tensor(chunked, dtype=torch.long, device=read.device))
+    o, final = _kernels.chunk_gated_delta_rule(
+        q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx), g.index_select(0, idx),
+        beta.index_select(0, idx), sub_cu, read_slots(state_pool, sub_read), use_qk_l2norm=True,
+        chunk_size=chunk_size)
+    out.index_copy_(0, idx, o.to(out.dtype))
+    last = [write_host[cu[r + 1] - 1] for r in chunked]
+    keep = [i for i, slot in enumerate(last) if slot >= 0]
+    if keep:
+        state_pool.index_copy_(0, torch.tensor([last[i] for i in keep], device=state_pool.device),
+                               final[keep].to(state_pool.dtype))
+    return out
+
+
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm(x) * weight * silu(gate) over the last dim: the GDN output norm (norm, then
     gate), with transformers' casts (float32 statistics and gate, weight in x's dtype)."""
+    if dispatch.use_kernels(x) and x.dim() == 3:
+        from ..kernels import gdn as _kernels
+
+        return _kernels.gated_rms_norm(x, gate, weight, eps)
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
