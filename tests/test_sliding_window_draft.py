@@ -156,13 +156,21 @@ def test_window_covering_everything_is_full_attention():
     assert not torch.equal(paged_attention(q, k_cache, v_cache, meta, 0.3, window=8)[:1], full[:1])
 
 
-def test_kernel_path_refuses_a_window(monkeypatch):
-    q_lens, seq_lens = [2], [5]
-    q, k_cache, v_cache, tables = paged_batch(q_lens, seq_lens)
-    meta, _ = meta_for_batch(q_lens, seq_lens, tables, 4, False)
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_path_agrees_with_the_reference_under_a_window(monkeypatch, causal):
+    """dispatch.paged_attention on the Triton kernel (on a CPU host: under the interpreter)
+    honours the window as the reference does, in the default and the exact mode."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q_lens, seq_lens = [4, 1, 5], [21, 9, 5]
+    q, k_cache, v_cache, tables = (x.to(device) if isinstance(x, torch.Tensor) else x
+                                   for x in paged_batch(q_lens, seq_lens, d=16))
+    meta, _ = meta_for_batch(q_lens, seq_lens, tables, 4, causal, device)
     monkeypatch.setattr(dispatch, "use_kernels", lambda x: True)
-    with pytest.raises(NotImplementedError, match="sliding-window attention"):
-        dispatch.paged_attention(q, k_cache, v_cache, meta, 0.3, window=4)
+    for window in (1, 3, 6):
+        ref = paged_attention(q, k_cache, v_cache, meta, 0.3, window)
+        for exact in (False, True):
+            got = dispatch.paged_attention(q, k_cache, v_cache, meta, 0.3, exact, window=window)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- dead positions
@@ -282,6 +290,20 @@ def hf_style_draft(model: DFlashDraftModel, taps, block):
         gate, up = (h @ sd[p + "mlp.gate_up_proj.weight"].T).chunk(2, -1)
         x = x + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
     return rms(x, sd["norm.weight"], eps).float()
+
+
+def test_windowed_draft_on_the_kernel_path_equals_the_reference_path(monkeypatch):
+    """The draft's whole forward (sliding layers non-causal over context + block) through the
+    Triton kernels under the interpreter == through the torch references."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter mode is for machines without a GPU")
+    c, b = 14, 4
+    gen = torch.Generator().manual_seed(6)
+    taps, block = torch.randn(c, 64, generator=gen), torch.randn(b, 32, generator=gen)
+    model = random_draft(draft_cfg(True, 5, head_dim=16), seed=3)
+    ref = run_draft(model, taps, block)
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+    torch.testing.assert_close(run_draft(model, taps, block), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("window", [1, 2, 5, 9])

@@ -20,8 +20,9 @@ Invariants the kernels rely on (and keep)
 - ``max_query_len`` must be >= every request's ``q_len`` (rows beyond it are not computed).
 - Requests with ``q_len == 0`` (padding entries of a graph bucket) produce nothing; only the
   output rows of real requests are written.
-- K/V are read only at positions ``< seq_len`` (and inside the block table), so stale or
-  garbage contents of the null page or of a page's unused tail never reach the result.
+- K/V are read only at positions ``< seq_len`` (and inside the block table) and, with a
+  window, at or after the query block's first window start, so stale or garbage contents of
+  the null page, of a page's unused tail or of pages before the window never reach the result.
 - Softmax is computed online in float32 (base-2 exponent, scale folded in); results are
   cast to ``q.dtype`` once at the end.
 
@@ -37,7 +38,18 @@ causality masks entirely are never visited, and tiles entirely visible to every 
 without masks. With ``num_splits > 1`` (flash-decoding, for batches too small to fill the
 GPU) each program handles a contiguous share of the key tiles and writes a partial
 (normalized output, log-sum-exp) in float32 per (split, token, head); a second small kernel
-combines them.
+combines them (kernels/attention_splits.py).
+
+Sliding windows
+---------------
+``window`` W (ops/attention.py's semantics): a row at position p sees keys kv with
+``p - W < kv``, and ``kv < p + W`` when not causal. The kernels specialise on whether a
+window is set (``WINDOWED``: full attention compiles to the code without windows), not on
+its value; ``warmup(windowed=True)`` builds those variants. A query block's keys start at
+its first row's window start: tiles before it are never visited (a long context costs the window, not its length),
+tiles at the window's edges take the masked path, and the splits share only those keys
+(``choose_num_splits`` is given the window's span). A split that sees none of a row's keys
+writes lse = -inf for it and weighs nothing in the combine.
 
 The exact (batch-invariant) mode
 --------------------------------
@@ -47,10 +59,14 @@ runs in: a decode row (1 row per request) and the same row inside a verify block
 differ in bf16. ``exact=True`` makes a row's result a function of its own context only:
 
 - splits of a fixed size in keys (``split_keys``): split ``s`` always covers key tiles
-  ``[s * SPLIT_TILES, (s + 1) * SPLIT_TILES)``, whatever the grid. A row has
-  ``cdiv(its visible keys, split_keys)`` partials, and the combine reads exactly those, in
-  ascending order. Tiles a query block visits beyond a row's causal end add exact zeros to
-  that row (p = 0, alpha = 1), so a verify block's extra tiles change nothing;
+  ``[s * SPLIT_TILES, (s + 1) * SPLIT_TILES)``, whatever the grid. A row has one partial
+  per split its own visible keys span (from the split holding its window start, else split
+  0), and the combine reads exactly those, in ascending order. Tiles a query block visits
+  beyond a row's causal (or window) end add exact zeros to that row (p = 0, alpha = 1), and
+  tiles before the row's window start leave its state as it began (m = -inf, l = 0, acc =
+  0), so a verify block's or prefill chunk's extra tiles change nothing. With a window the
+  grid's split axis counts from the query block's first split and spans the window's
+  splits, not the table's; where a partial sits in memory does not change its bits;
 - one tile geometry (BLOCK_Q / BLOCK_M / BLOCK_N, warps, stages) whatever ``max_query_len``,
   so every launch runs the same compiled dot instructions;
 - every tile through the masked path (no fast-path/masked-path split that moves with the
@@ -59,7 +75,9 @@ differ in bf16. ``exact=True`` makes a row's result a function of its own contex
   its own context, whatever the grid.
 
 Cost: decode rows use a 128-row tile (memory-bound: the keys dominate), and the fp32
-partials take ``cdiv(table keys, split_keys) * T * n_heads * head_dim * 4`` bytes.
+partials take ``cdiv(table keys, split_keys) * T * n_heads * head_dim * 4`` bytes (with a
+window: ``cdiv(window span, split_keys) + 1`` splits at most, the span being
+``W + BLOCK_Q`` causal, ``2 W + BLOCK_Q`` not).
 """
 from __future__ import annotations
 
@@ -70,11 +88,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["store_kv", "paged_attention", "choose_num_splits"]
+from .attention_splits import MAX_SPLITS, _combine_splits_kernel, _row_splits, _window_lo, choose_num_splits
+
+__all__ = ["store_kv", "paged_attention", "choose_num_splits", "MAX_SPLITS"]
 
 _LOG2E = 1.4426950408889634
-# Most context splits per call: bounds the fp32 partial buffers (and gains nothing beyond).
-MAX_SPLITS = 32
 # Keys per split of the exact mode. Fixed (never from the batch or the table width, which
 # vary with the step and its graph bucket). Smaller: more parallelism for a lone long decode;
 # larger: fewer partial bytes for wide verify batches (a 16-row verify block writes
@@ -140,21 +158,32 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, q_pos,
-    tile_lo, tile_hi, kv_end,
+    tile_lo, tile_hi, skip_lo, skip_hi, kv_lo, kv_end, window,
     k_base, v_base, bt_row_ptr,
     stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
     qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGE: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over key tiles [tile_lo, tile_hi). MASKED=False is the fast path for
-    tiles whose every key is visible to every row (no bounds or causal masks needed)."""
+    """Online softmax over key tiles [tile_lo, tile_hi), ascending. MASKED=False is the fast
+    path for tiles whose every key is visible to every row (no bounds, causal or window
+    masks). MASKED=True masks keys outside [kv_lo, kv_end) and each row's own causal (and,
+    WINDOWED, window) bounds; WINDOWED, it skips the tiles [skip_lo, skip_hi) (the fast
+    path's, which windows put between masked ones)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for tile in range(tile_lo, tile_hi):
+    n_skip = 0
+    if WINDOWED and MASKED:
+        n_skip = skip_hi - skip_lo
+    for i in range(tile_lo, tile_hi - n_skip):
+        tile = i
+        if WINDOWED and MASKED:
+            tile = tl.where(i < skip_lo, i, i + n_skip)
         k_pos = tile * BLOCK_N + offs_n
         if MASKED:
             in_range = k_pos < kv_end
+            if WINDOWED:
+                in_range = in_range & (k_pos >= kv_lo)
             page = tl.load(bt_row_ptr + k_pos // PAGE, mask=in_range, other=0).to(tl.int64)
         else:
             page = tl.load(bt_row_ptr + k_pos // PAGE).to(tl.int64)
@@ -162,7 +191,7 @@ def _attend_tiles(
         k_ptrs = k_base + page[:, None] * stride_kp + off[:, None] * stride_ks + offs_d[None, :] * stride_kd
         v_ptrs = v_base + page[:, None] * stride_vp + off[:, None] * stride_vs + offs_d[None, :] * stride_vd
         if MASKED:
-            # other=0 keeps NaN/inf garbage beyond seq_len out of p @ v (0 * NaN = NaN).
+            # other=0 keeps NaN/inf garbage (beyond seq_len, before the window) out of p @ v.
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
@@ -171,8 +200,12 @@ def _attend_tiles(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 units
         if MASKED:
             visible = in_range[None, :]
+            if WINDOWED:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             if CAUSAL:
                 visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            elif WINDOWED:
+                visible = visible & (k_pos[None, :] < q_pos[:, None] + window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible so far keeps m = -inf; subtract 0 instead so that
@@ -186,38 +219,26 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
-def _row_splits(seq_len, q_len, row, row_ok, max_pages,
-                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr, CAUSAL: tl.constexpr):
-    """Fixed-size splits that a packed row's own visible keys span (0 for rows not computed)."""
-    if CAUSAL:
-        row_end = seq_len - q_len + row + 1  # a row sees keys <= its position
-    else:
-        row_end = row * 0 + seq_len
-    row_end = tl.minimum(row_end, max_pages * PAGE)
-    return tl.where(row_ok, tl.cdiv(tl.cdiv(row_end, BLOCK_N), SPLIT_TILES), 0)
-
-
 # Integer arguments that vary from step to step (grid sizes, page-table widths) are not
 # specialised (Triton would compile a new variant when one becomes 1 or a multiple of 16: a
 # compile stall of seconds in the middle of serving).
-@triton.jit(do_not_specialize=["num_q_blocks", "max_pages", "stride_bt", "part_rows"])
+@triton.jit(do_not_specialize=["num_q_blocks", "max_pages", "stride_bt", "part_rows", "window"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
-    qk_scale, num_q_blocks, max_pages, part_rows,
+    qk_scale, num_q_blocks, max_pages, part_rows, window,
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, ALL_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_rq = tl.program_id(0)  # request * num_q_blocks + query block
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    part = tl.program_id(2)  # which split (fixed-size: counted from the block's first)
     num_splits = tl.num_programs(2)
     req = pid_rq // num_q_blocks
     row0 = (pid_rq % num_q_blocks) * BLOCK_Q
@@ -239,34 +260,56 @@ def _paged_attention_kernel(
     ).to(k_cache_ptr.dtype.element_ty)  # both dot operands in the cache's dtype
     q_pos = seq_len - q_len + row
 
-    # Keys this query block can see: [0, kv_end). `full_end` bounds the keys visible to
-    # every row of the block (the first row's position, inclusive, when causal).
+    # Keys this query block can see: [kv_lo, kv_end) (kv_lo: its first row's window start).
+    # [full_lo, full_end) bounds the keys visible to every row of the block.
+    p_first = seq_len - q_len + row0
+    p_last = seq_len - q_len + tl.minimum(q_len, row0 + BLOCK_Q) - 1
+    kv_lo = 0
+    full_lo = 0
+    if WINDOWED:
+        kv_lo = _window_lo(p_first, window)
+        full_lo = _window_lo(p_last, window)
     if CAUSAL:
-        kv_end = seq_len - q_len + tl.minimum(q_len, row0 + BLOCK_Q)
-        full_end = seq_len - q_len + row0 + 1
+        kv_end = p_last + 1
+        full_end = p_first + 1
+    elif WINDOWED:  # keys after a row are capped at its position + window - 1
+        kv_end = tl.minimum(seq_len, p_last + window)
+        full_end = tl.minimum(seq_len, p_first + window)
     else:
         kv_end = seq_len
         full_end = seq_len
     kv_end = tl.minimum(kv_end, max_pages * PAGE)  # never index past the block-table row
     full_end = tl.minimum(full_end, kv_end)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    lo_tile = kv_lo // BLOCK_N  # tiles before it: outside every row's window, never visited
+    split = part
     if not SPLIT:
-        tile_lo = 0
+        tile_lo = lo_tile
         tile_hi = num_tiles
     elif SPLIT_TILES > 0:
         # Fixed-size splits: the boundaries sit at the same keys whatever the grid.
+        split = lo_tile // SPLIT_TILES + part
         tile_lo = split * SPLIT_TILES
         if tile_lo >= num_tiles:  # past this block's keys: the combine never reads it
             return
         tile_hi = tl.minimum(tile_lo + SPLIT_TILES, num_tiles)
+        tile_lo = tl.maximum(tile_lo, lo_tile)
     else:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = tl.minimum(split * per_split, num_tiles)
+        per_split = tl.cdiv(tl.maximum(num_tiles - lo_tile, 0), num_splits)
+        tile_lo = tl.minimum(lo_tile + part * per_split, num_tiles)
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     if ALL_MASKED:
-        full_hi = tile_lo
-    else:
-        full_hi = tl.maximum(tl.minimum(full_end // BLOCK_N, tile_hi), tile_lo)
+        fast_lo = tile_lo
+        fast_hi = tile_lo
+    elif WINDOWED:
+        fast_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), tile_lo), tile_hi)
+        fast_hi = tl.minimum(tl.maximum(full_end // BLOCK_N, fast_lo), tile_hi)
+    else:  # without a window the fast tiles come first
+        fast_lo = tile_lo
+        fast_hi = tl.maximum(tl.minimum(full_end // BLOCK_N, tile_hi), tile_lo)
+    masked_lo = fast_hi
+    if WINDOWED:  # the masked tiles lie on both sides of the fast ones
+        masked_lo = tile_lo
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -275,14 +318,14 @@ def _paged_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_vh
     bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, tile_lo, full_hi, kv_end, k_base, v_base, bt_row_ptr,
-        stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd, qk_scale,
-        False, CAUSAL, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+        acc, l_i, m_i, q, q_pos, fast_lo, fast_hi, fast_hi, fast_hi, kv_lo, kv_end, window,
+        k_base, v_base, bt_row_ptr, stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
+        qk_scale, False, CAUSAL, WINDOWED, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
     )
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, full_hi, tile_hi, kv_end, k_base, v_base, bt_row_ptr,
-        stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd, qk_scale,
-        True, CAUSAL, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+    acc, l_i, m_i = _attend_tiles(  # the tiles around them: window edges, causal diagonal, tail
+        acc, l_i, m_i, q, q_pos, masked_lo, tile_hi, fast_lo, fast_hi, kv_lo, kv_end, window,
+        k_base, v_base, bt_row_ptr, stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
+        qk_scale, True, CAUSAL, WINDOWED, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
     )
 
     # l == 0 only for rows that saw nothing (padding rows, empty splits): emit 0, not NaN.
@@ -299,79 +342,20 @@ def _paged_attention_kernel(
         # read back); these fp32 partials cost as many bytes as the split's K/V tiles.
         part_ok = row_ok
         if SPLIT_TILES > 0:
-            # A row whose visible keys fit in split 0 is final here (the combine skips it): the
-            # same rows are final whatever the grid, and a table of one split needs no combine
-            # launch at all. (Later splits of its query block saw nothing of it: l = 0.)
-            n_row = _row_splits(seq_len, q_len, row, row_ok, max_pages, PAGE, BLOCK_N, SPLIT_TILES, CAUSAL)
+            # A row whose visible keys fit in one split is final here (the combine skips it):
+            # the same rows are final whatever the grid, and a table of one split needs no
+            # combine launch at all. (Other splits of its query block saw nothing of it.)
+            first, n_row = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
+                                       PAGE, BLOCK_N, SPLIT_TILES, CAUSAL, WINDOWED)
             tl.store(
                 out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                o.to(out_ptr.dtype.element_ty), mask=(tl.where(split == 0, n_row, 0) == 1)[:, None],
+                o.to(out_ptr.dtype.element_ty), mask=((n_row == 1) & (first == split))[:, None],
             )
-            part_ok = n_row > split  # only the splits the combine reads
-        pidx = (split.to(tl.int64) * part_rows + tok) * (tl.num_programs(1) * GROUP) + head
+            part_ok = (split >= first) & (split < first + n_row)  # only the splits the combine reads
+        pidx = (part.to(tl.int64) * part_rows + tok) * (tl.num_programs(1) * GROUP) + head
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + pidx, lse, mask=part_ok)
         tl.store(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=part_ok[:, None])
-
-
-@triton.jit(do_not_specialize=["num_q_blocks", "num_splits", "part_rows", "max_pages"])
-def _combine_splits_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr,
-    num_q_blocks, num_splits, part_rows, max_pages,
-    stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_TILES: tl.constexpr,
-):
-    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row).
-    SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
-    span, in ascending order, so its result does not depend on its query block's extent."""
-    pid_rq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    req = pid_rq // num_q_blocks
-    row0 = (pid_rq % num_q_blocks) * BLOCK_Q
-    q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    if row0 >= q_len:
-        return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row = row0 + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
-    tok = (q_start + row).to(tl.int64)
-    pidx0 = tok * (tl.num_programs(1) * GROUP) + head  # split 0's partial of each packed row
-    split_stride = part_rows.to(tl.int64) * (tl.num_programs(1) * GROUP)
-    if SPLIT_TILES > 0:
-        row_splits = _row_splits(tl.load(seq_lens_ptr + req), q_len, row, row_ok, max_pages,
-                                 PAGE, BLOCK_N, SPLIT_TILES, CAUSAL)
-        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
-        n_loop = tl.max(row_splits, 0)
-    else:
-        row_splits = tl.where(row_ok, num_splits, 0)
-        n_loop = num_splits
-
-    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(n_loop):
-        lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"))
-        lse_max = tl.maximum(lse_max, lse)
-    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(n_loop):
-        use = s < row_splits
-        pidx = s * split_stride + pidx0
-        lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"))
-        w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
-        o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0)
-        # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
-        total = tl.where(use, total + w, total)
-        acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
-    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
-    )
 
 
 # Tiles hold at most this many packed (query row x GQA head) rows.
@@ -402,34 +386,6 @@ def _launch_config(block_m: int, head_dim: int) -> tuple[int, int]:
     return (8 if block_m >= 128 else 4), (2 if head_dim > 128 else 3)
 
 
-def choose_num_splits(
-    num_requests: int, n_kv: int, num_q_blocks: int, max_pages: int, page_size: int,
-    block_n: int = 64, num_sms: int = 132,
-) -> int:
-    """Context splits for flash-decoding: a pure function of Python ints (so a captured
-    graph and every replay agree). Aims at ~2 waves of programs over `num_sms`, keeps at
-    least two key tiles per split for a context filling the whole block table (one-tile
-    splits lose more to the fp32 partials and the reduce than they gain), and does not
-    split once the (request, query block, KV head) programs already fill that target.
-
-    Measured on the H200 (Qwen3-8B: 8 KV heads, 16-row verify, context 1024, 64-page table):
-    the best split counts were 8 / 4 / 4 / 2 / 1 at batch 1 / 4 / 8 / 16 / 32; this picks
-    8 / 8 / 4 / 2 / 1. A table much wider than the contexts in it (a graph bucket sized for
-    the model's maximum length) makes it over-split small batches: size tables to need.
-
-    The count depends on the batch, so a row's reduction order moves with the step it runs
-    in. The batch-independent alternative is `paged_attention(split_keys=...)`: fixed-size
-    splits, a row's count a function of its own context (what the exact mode uses). Its
-    cost against this rule is what bench/attention_split_rule.py measures on the device:
-    fewer splits than this picks for a lone short decode, partials this would not write at
-    batch >= 32 (a 16-row verify block at GQA group 4 writes 64 / split_keys of its K/V
-    bytes as fp32 partials), and a combine launch."""
-    programs = max(1, num_requests * n_kv * num_q_blocks)
-    target = 2 * num_sms
-    useful = max(1, -(-(max_pages * page_size) // block_n) // 2)
-    return max(1, min(target // programs, useful, MAX_SPLITS))
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -451,12 +407,16 @@ def paged_attention(
     num_splits: int | None = None,
     split_keys: int | None = None,
     exact: bool = False,
+    window: int | None = None,
 ) -> Tensor:
     """Attention of q ``[T, n_heads, head_dim]`` over each request's paged context; returns
     ``out`` ``[T, n_heads, head_dim]`` in q's dtype (only rows of requests are written).
 
     causal=True: a row sees keys at positions <= its own; causal=False (the DFlash draft
-    pass): every row sees the whole context [0, seq_len). `max_query_len` (a Python int,
+    pass): every row sees the whole context [0, seq_len). `window` (None or 0: full
+    attention): a sliding-window layer's, as in ops/attention.py: a row at position p sees
+    only keys in (p - window, p + window); keys before its query block's first window are
+    never read. `max_query_len` (a Python int,
     >= every request's q_len) and the tensor shapes fix the grid; `num_splits` (None: chosen
     by `choose_num_splits`) splits each context across programs, combined by a second
     launch. `split_keys` instead splits every context into fixed runs of that many keys (a
@@ -478,6 +438,8 @@ def paged_attention(
     assert out.shape == q.shape
     if num_tokens == 0 or num_requests == 0 or max_query_len <= 0:
         return out
+    assert window is None or 0 <= window < 1 << 30, window  # position + window stays in int32
+    windowed = bool(window)
 
     if exact:
         assert num_splits is None, "the exact mode's splits come from split_keys, not a count"
@@ -487,17 +449,23 @@ def paged_attention(
         assert num_splits is None or split_keys is None, "num_splits or split_keys, not both"
         block_q, block_m, block_n = _pick_blocks(max_query_len, group, head_dim)
     num_q_blocks = triton.cdiv(max_query_len, block_q)
+    # Keys one query block can span: the table's, or at most its rows' windows.
+    span = max_pages * page_size
+    if window:
+        span = min(span, (window if causal else 2 * window) + block_q)
     split_tiles = 0  # 0: split by count
     if split_keys is not None:
         assert split_keys > 0 and split_keys % block_n == 0, (split_keys, block_n)
         split_tiles = split_keys // block_n
-        # One program per run of split_keys keys the table can hold; runs past a query
-        # block's keys exit at once. Not capped: a cap would move the boundaries.
+        # One program per run of split_keys keys the table can hold (with a window: that a
+        # block's span can touch, counted from its first); runs past a query block's keys
+        # exit at once. Not capped otherwise: a cap would move the boundaries.
         num_splits = triton.cdiv(triton.cdiv(max_pages * page_size, block_n), split_tiles)
+        if window:
+            num_splits = min(num_splits, triton.cdiv(span, split_keys) + 1)
     elif num_splits is None:
-        num_splits = choose_num_splits(
-            num_requests, n_kv, num_q_blocks, max_pages, page_size, block_n, _num_sms(q.device)
-        )
+        num_splits = choose_num_splits(num_requests, n_kv, num_q_blocks, triton.cdiv(span, page_size),
+                                       page_size, block_n, _num_sms(q.device))
     if split_tiles == 0:
         assert 1 <= num_splits <= MAX_SPLITS, num_splits
     # The exact mode always launches the split variant, so a row has one code path whether
@@ -516,33 +484,35 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         query_start_loc, seq_lens, page_tables,
-        scale * _LOG2E, num_q_blocks, max_pages, num_tokens,
+        scale * _LOG2E, num_q_blocks, max_pages, num_tokens, window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         page_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal),
+        HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed,
         SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=bool(exact), DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:  # (with one split every row was final in the main kernel)
         _combine_splits_kernel[grid[:2]](
             out, part_o, part_lse, query_start_loc, seq_lens,
-            num_q_blocks, num_splits, num_tokens, max_pages, *out.stride(),
+            num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-            PAGE=page_size, CAUSAL=bool(causal), SPLIT_TILES=split_tiles,
+            PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed, SPLIT_TILES=split_tiles,
             num_warps=4,
         )
     return out
 
 
 def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.dtype,
-           device: torch.device, exact: bool = False) -> int:
+           device: torch.device, exact: bool = False, windowed: bool = False) -> int:
     """Compile every variant of the attention kernels a step can meet (each query-block size
     `_pick_blocks` can choose, causal and not, with and without split contexts) on tiny
     inputs, so that no request pays a Triton compile (seconds) in the middle of serving.
-    `exact`: the exact mode's variants instead (one geometry: causal and not). Returns the
-    number of variants launched. Compiles are cached on disk by Triton, so only a machine's
-    first start pays for them."""
+    `exact`: the exact mode's variants instead (one geometry: causal and not; a context of
+    two splits, so the combine compiles too). `windowed`: the sliding-window variants as
+    well (the window is specialised on being set, not on its value): pass it for a model
+    with windowed layers. Returns the number of variants launched. Compiles are cached on
+    disk by Triton, so only a machine's first start pays for them."""
     group = n_heads // n_kv
     q_lens, q = [], 1
     while True:  # one query length per BLOCK_Q that _pick_blocks can return
@@ -550,26 +520,20 @@ def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.
         if _pick_blocks(q * 2, group, head_dim)[0] == _pick_blocks(q, group, head_dim)[0]:
             break
         q *= 2
-    pages = 4
+    pages = triton.cdiv(2 * EXACT_SPLIT_KEYS, page_size) if exact else 4
     kc = torch.zeros(pages, page_size, n_kv, head_dim, dtype=dtype, device=device)
     vc = torch.zeros_like(kc)
     table = torch.arange(pages, dtype=torch.int32, device=device)[None]
     seq_len = pages * page_size
     n = 0
-    if exact:
-        qt = torch.zeros(1, n_heads, head_dim, dtype=dtype, device=device)
-        qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
-        for causal in (True, False):
-            paged_attention(qt, kc, vc, qsl, lens, table, 1.0, causal, 1, exact=True)
-            n += 1
-        return n
-    for q_len in q_lens:
+    for q_len in [1] if exact else q_lens:
         qt = torch.zeros(q_len, n_heads, head_dim, dtype=dtype, device=device)
         qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
         lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
-        for causal in (True, False):
-            for splits in (1, 2):
-                paged_attention(qt, kc, vc, qsl, lens, table, 1.0, causal, q_len, num_splits=splits)
-                n += 1
+        for window in (None, seq_len - 1) if windowed else (None,):
+            for causal in (True, False):
+                for splits in [None] if exact else (1, 2):
+                    paged_attention(qt, kc, vc, qsl, lens, table, 1.0, causal, q_len, num_splits=splits,
+                                    exact=exact, window=window)
+                    n += 1
     return n

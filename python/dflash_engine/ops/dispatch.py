@@ -111,14 +111,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _attn.Att
     if use_kernels(q):
         from ..kernels import attention
 
-        if window is not None:
-            raise NotImplementedError(
-                f"sliding-window attention (window {window}) has no Triton kernel yet; run this "
-                "draft on the reference ops (DFLASH_REFERENCE_OPS=1 on a GPU, or on the CPU)")
-
         return attention.paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.page_tables, scale,
-            meta.causal, meta.max_query_len, exact=batch_invariant,
+            meta.causal, meta.max_query_len, exact=batch_invariant, window=window,
         )
     return _attn.paged_attention(q, k_cache, v_cache, meta, scale, window)
 

@@ -1,0 +1,140 @@
+"""Context splits of the paged attention (kernels/attention.py): how many, which of them a
+packed row reads, and the kernel that combines their partials.
+
+Two split rules: by count (``num_splits`` programs share a query block's key tiles; the
+count comes from `choose_num_splits`) and fixed-size (split ``s`` covers key tiles
+``[s * SPLIT_TILES, (s + 1) * SPLIT_TILES)`` whatever the grid; the exact mode's rule). With
+a sliding window a fixed-size split's program axis starts at the query block's first split
+(the one holding its first row's window start), so splits wholly before every row's window
+are neither launched nor given partial memory; partial ``j`` of a block is split
+``block first split + j``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["MAX_SPLITS", "choose_num_splits"]
+
+# Most context splits per call: bounds the fp32 partial buffers (and gains nothing beyond).
+MAX_SPLITS = 32
+
+
+def choose_num_splits(
+    num_requests: int, n_kv: int, num_q_blocks: int, max_pages: int, page_size: int,
+    block_n: int = 64, num_sms: int = 132,
+) -> int:
+    """Context splits for flash-decoding: a pure function of Python ints (so a captured
+    graph and every replay agree). Aims at ~2 waves of programs over `num_sms`, keeps at
+    least two key tiles per split for a context filling the whole block table (one-tile
+    splits lose more to the fp32 partials and the reduce than they gain), and does not
+    split once the (request, query block, KV head) programs already fill that target.
+
+    Measured on the H200 (Qwen3-8B: 8 KV heads, 16-row verify, context 1024, 64-page table):
+    the best split counts were 8 / 4 / 4 / 2 / 1 at batch 1 / 4 / 8 / 16 / 32; this picks
+    8 / 8 / 4 / 2 / 1. A table much wider than the contexts in it (a graph bucket sized for
+    the model's maximum length) makes it over-split small batches: size tables to need.
+
+    The count depends on the batch, so a row's reduction order moves with the step it runs
+    in. The batch-independent alternative is `paged_attention(split_keys=...)`: fixed-size
+    splits, a row's count a function of its own context (what the exact mode uses). Its
+    cost against this rule is what bench/attention_split_rule.py measures on the device:
+    fewer splits than this picks for a lone short decode, partials this would not write at
+    batch >= 32 (a 16-row verify block at GQA group 4 writes 64 / split_keys of its K/V
+    bytes as fp32 partials), and a combine launch."""
+    programs = max(1, num_requests * n_kv * num_q_blocks)
+    target = 2 * num_sms
+    useful = max(1, -(-(max_pages * page_size) // block_n) // 2)
+    return max(1, min(target // programs, useful, MAX_SPLITS))
+
+
+@triton.jit
+def _window_lo(pos, window):
+    """The first key a query at `pos` reads under `window` (the no-window sentinel: 0)."""
+    return tl.maximum(pos - window + 1, 0)
+
+
+@triton.jit
+def _row_splits(seq_len, q_len, row, row_ok, max_pages, window, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT_TILES: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr):
+    """(first split, number of splits) of the fixed-size splits that a packed row's own
+    visible keys span: a function of its position, seq_len and window only (count 0 for
+    rows not computed). Every split of the range holds at least one of the row's keys."""
+    pos = seq_len - q_len + row
+    if CAUSAL:
+        row_end = pos + 1  # a row sees keys <= its position
+    elif WINDOWED:
+        row_end = tl.minimum(pos + window, seq_len)  # and < pos + window without causality
+    else:
+        row_end = row * 0 + seq_len
+    row_end = tl.minimum(row_end, max_pages * PAGE)
+    first = row * 0
+    if WINDOWED:
+        first = _window_lo(pos, window) // (BLOCK_N * SPLIT_TILES)
+    return first, tl.where(row_ok, tl.cdiv(tl.cdiv(row_end, BLOCK_N), SPLIT_TILES) - first, 0)
+
+
+@triton.jit(do_not_specialize=["num_q_blocks", "num_splits", "part_rows", "max_pages", "window"])
+def _combine_splits_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr,
+    num_q_blocks, num_splits, part_rows, max_pages, window,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,
+):
+    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row).
+    SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
+    span, in ascending order, so its result does not depend on its query block's extent.
+    By count, a split that saw none of a row's keys (before its window, after its causal
+    end) holds lse = -inf and weighs 0."""
+    pid_rq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = pid_rq // num_q_blocks
+    row0 = (pid_rq % num_q_blocks) * BLOCK_Q
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if row0 >= q_len:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = row0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
+    tok = (q_start + row).to(tl.int64)
+    pidx0 = tok * (tl.num_programs(1) * GROUP) + head  # the block's first partial of each packed row
+    split_stride = part_rows.to(tl.int64) * (tl.num_programs(1) * GROUP)
+    if SPLIT_TILES > 0:
+        seq_len = tl.load(seq_lens_ptr + req)
+        first, row_splits = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
+                                        PAGE, BLOCK_N, SPLIT_TILES, CAUSAL, WINDOWED)
+        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
+        n_loop = tl.max(row_splits, 0)
+        if WINDOWED:  # the row's first partial, counted from the block's first split (its first row's)
+            pidx0 += (first - _window_lo(seq_len - q_len + row0, window) // (BLOCK_N * SPLIT_TILES)) * split_stride
+    else:
+        row_splits = tl.where(row_ok, num_splits, 0)
+        n_loop = num_splits
+
+    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(n_loop):
+        lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(n_loop):
+        use = s < row_splits
+        pidx = s * split_stride + pidx0
+        lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"))
+        w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
+        o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0)
+        # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
+        total = tl.where(use, total + w, total)
+        acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
+    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
+    )
