@@ -226,3 +226,25 @@ def test_server_answers_a_chat_request(hybrid_dir, hybrid_draft):
         assert server.wait_idle().num_running == 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", None])
+def test_kernel_decode_step_on_cpu_matches_the_reference(hybrid_dir, hybrid_draft, decode_runs, monkeypatch,
+                                                         draft_length):
+    """The GPU path under Triton's interpreter: GDN and attention kernels, the padded decode
+    step of the graph runner (3 requests in bucket 4: one padding request, whose state slots
+    are -1) staging the state slots, spec on and off; the same tokens as the reference ops."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter mode is for machines without a GPU")
+    ps = prompts(3, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    spec_cfg = None if draft_length is None else spec(hybrid_draft, draft_length=draft_length)
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+    llm = LLM(model=str(hybrid_dir), device="cpu", max_num_seqs=4, speculative_config=spec_cfg)
+    assert llm.engine.runner.graphs, "the hybrid target gets the decode step of the graph runner"
+    fast = tokens(llm.generate(ps, params, use_tqdm=False))
+    assert decode_runs, "the decode step ran"
+    check_pool_returned(llm)
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    ref = LLM(model=str(hybrid_dir), device="cpu", max_num_seqs=4, speculative_config=spec_cfg, overlap=False)
+    assert fast == tokens(ref.generate(ps, params, use_tqdm=False))

@@ -3,7 +3,8 @@
 Layout
 ------
 - K/V caches: ``[num_pages, page_size, n_kv, head_dim]``; token slot ``s`` lives at
-  ``page = s // page_size``, ``offset = s % page_size``. ``page_size`` is a power of two.
+  ``page = s // page_size``, ``offset = s % page_size``. Any ``page_size`` (a hybrid target's
+  pages are multiples of the asked size, e.g. 48: worker/state_pool.py); ``head_dim`` a power of two.
 - ``q`` / ``out``: ``[T, n_heads, head_dim]`` with ``n_heads = group * n_kv`` (GQA: query
   head ``h`` reads KV head ``h // group``). Any strides are accepted (``q`` may be a view
   into a fused qkv buffer).
@@ -142,7 +143,7 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     assert tuple(k_cache.shape[2:]) == (n_kv, head_dim), (k_cache.shape, k.shape)
     assert slot_mapping.shape[0] >= num_tokens
     page_size = k_cache.shape[1]
-    assert page_size & (page_size - 1) == 0 and head_dim & (head_dim - 1) == 0
+    assert head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} is not a power of two"
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
@@ -428,7 +429,6 @@ def paged_attention(
     num_pages, page_size, n_kv, kv_dim = k_cache.shape
     assert v_cache.shape == k_cache.shape and kv_dim == head_dim
     assert n_heads % n_kv == 0, (n_heads, n_kv)
-    assert page_size & (page_size - 1) == 0, "page size must be a power of two"
     assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, head_dim
     group = n_heads // n_kv
     num_requests, max_pages = page_tables.shape

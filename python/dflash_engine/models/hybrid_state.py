@@ -67,6 +67,9 @@ class StateMetadata:
     write: Tensor  # [T] int64
     read_cpu: list[int] | None = None
     write_cpu: list[int] | None = None
+    # Every request of the step is a decode/verify block (the recurrent form, whatever its
+    # rows): set by the CUDA-graph runner, whose steps read nothing back to the host.
+    all_per_token: bool = False
 
     def host_lists(self) -> tuple[list[int], list[int]]:
         if self.read_cpu is None or self.write_cpu is None:
@@ -76,6 +79,8 @@ class StateMetadata:
     def per_token(self, query_start_loc: Sequence[int]) -> list[bool]:
         """Per request: the per-token recurrence (True) or the chunked form; decided once
         per step (ops.gdn.per_token_sequences) and shared by every GDN layer."""
+        if self.all_per_token:
+            return [True] * (len(query_start_loc) - 1)
         cached = self.__dict__.get("_per_token")
         if cached is None or cached[0] != list(query_start_loc):
             cached = (list(query_start_loc), per_token_sequences(query_start_loc, self.host_lists()[1]))

@@ -72,8 +72,9 @@ class HybridStep:
     sin: Tensor
     meta: AttentionMetadata
     state_meta: StateMetadata
-    query_start_loc: list[int]
+    query_start_loc: list[int] | Tensor  # host list; the device tensor on a graph-safe step
     per_token: list[bool]  # per request: the GDN's recurrent (True) or chunked form
+    write_host: list[int]  # state_meta.write on the host (empty on a graph-safe step: unused)
 
 
 class GatedDeltaNet(nn.Module):
@@ -105,7 +106,7 @@ class GatedDeltaNet(nn.Module):
         o = gdn.gated_delta_rule(
             q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
             v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, step.query_start_loc, state_pool,
-            sm.read, sm.write, sm.host_lists()[1], step.per_token)
+            sm.read, sm.write, step.write_host, step.per_token, query_start_loc=step.meta.query_start_loc)
         o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(t, self.value_dim))
 
@@ -190,11 +191,17 @@ class Qwen3_5ForCausalLM(CausalLM):
     ) -> tuple[Tensor, Tensor | None]:
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        qsl, _ = meta.host_lists()
-        # The exact mode runs every sequence per token: a token's state then never depends on
-        # how the engine split the sequence into chunks and steps (the chunked form's does).
-        per_token = [True] * (len(qsl) - 1) if self.batch_invariant else state_meta.per_token(qsl)
-        step = HybridStep(cos, sin, meta, state_meta, qsl, per_token)
+        if state_meta.all_per_token and dispatch.use_kernels(x):
+            # A decode/verify step on the kernel path (what a CUDA graph captures): every
+            # request runs per token, and nothing is read back to the host.
+            n = meta.query_start_loc.shape[0] - 1
+            step = HybridStep(cos, sin, meta, state_meta, meta.query_start_loc, [True] * n, [])
+        else:
+            qsl, _ = meta.host_lists()
+            # The exact mode runs every sequence per token: a token's state then never depends on
+            # how the engine split the sequence into chunks and steps (the chunked form's does).
+            per_token = [True] * (len(qsl) - 1) if self.batch_invariant else state_meta.per_token(qsl)
+            step = HybridStep(cos, sin, meta, state_meta, qsl, per_token, state_meta.host_lists()[1])
         caches = iter(kv.target)
         gdn_caches = iter(zip(state.conv, state.recurrent))
         wanted, tapped = set(tap_layers or ()), {}

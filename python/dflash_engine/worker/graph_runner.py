@@ -16,6 +16,11 @@ slot -1 (target and draft rows): attention gives them nothing, the KV store skip
 their rows' garbage never reaches a real row (every op here is row-wise or per request).
 Eager mode (`enforce_eager`, and the CPU interpreter tests) runs the same function on the
 same padded shapes, so graphs and eager give the same tokens.
+
+A hybrid target's step also stages its state slots (`state_read` per request, `state_write`
+per row; padding: -1, nothing read or kept) and marks the step all-per-token
+(StateMetadata.all_per_token), so that its GDN layers run the recurrent kernels without
+reading anything back to the host.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import time
 import numpy as np
 import torch
 
+from ..models.hybrid_state import StateMetadata
 from ..ops.attention import AttentionMetadata
 from ..ops.sampling import SamplingTensors
 from .in_flight import InFlight
@@ -52,11 +58,11 @@ class GraphRunner:
 
     def __init__(self, models: StepModels, timer: StepTimer, *, block_rows: int, draft_rows: int,
                  max_num_seqs: int, page_table_width: int, enforce_eager: bool, capture_buckets: list[int],
-                 device: torch.device):
+                 device: torch.device, hybrid: bool = False):
         """draft_rows: D of this B's draft pass (0: none); capture_buckets: those captured at
-        startup (others on first use)."""
+        startup (others on first use); hybrid: the target keeps recurrent state in slots."""
         self.models, self.timer, self.device = models, timer, device
-        self.b, self.d, self.width = block_rows, draft_rows, page_table_width
+        self.b, self.d, self.width, self.hybrid = block_rows, draft_rows, page_table_width, hybrid
         self.buckets = batch_buckets(max_num_seqs)
         self.capture_buckets = sorted(capture_buckets)
         self.max_bs = self.buckets[-1]
@@ -65,7 +71,8 @@ class GraphRunner:
         n, nd, bs = self.max_bs * self.b, self.max_bs * self.d, self.max_bs
         self.fields = [("input_ids", n), ("positions", n), ("slots", n), ("qsl", bs + 1), ("seq_lens", bs),
                        ("pages", bs * self.width), ("top_k", n), ("seed", n), ("greedy", n),
-                       ("d_ids", nd), ("d_positions", nd), ("d_slots", nd), ("d_seq_lens", bs if self.d else 0)]
+                       ("d_ids", nd), ("d_positions", nd), ("d_slots", nd), ("d_seq_lens", bs if self.d else 0),
+                       ("s_read", bs if hybrid else 0), ("s_write", n if hybrid else 0)]
         self.offsets, at = {}, 0
         for name, size in self.fields:
             self.offsets[name] = (at, size)
@@ -129,6 +136,9 @@ class GraphRunner:
             put("d_positions", plan.draft_positions, drows, dn, 0)
             put("d_slots", plan.draft_slot_mapping, drows, dn, -1)
             put("d_seq_lens", plan.draft_seq_lens, r, bs, 0)
+        if self.hybrid:
+            put("s_read", plan.state_read, r, bs, -1)
+            put("s_write", plan.state_write, rows, n, -1)
         f = self.host_f32.numpy()
         big = self.max_bs * self.b
         for i, name in enumerate(_FLOAT_FIELDS):
@@ -162,8 +172,11 @@ class GraphRunner:
                                        max_query_len=self.d),
                 proposal_rows=self.proposal_rows[:bs * (self.b - 1)],
                 verify_rows=self.verify_rows[:bs * (self.b - 1)])
+        state_meta = None
+        if self.hybrid:
+            state_meta = StateMetadata(read=i64["s_read"][:bs], write=i64["s_write"][:n], all_per_token=True)
         return StepInputs(input_ids=i64["input_ids"][:n], positions=positions, meta=meta, sample_rows=None,
-                          sampling=sampling, num_decode=bs, block_rows=self.b, draft=draft)
+                          sampling=sampling, num_decode=bs, block_rows=self.b, draft=draft, state_meta=state_meta)
 
     def step(self, bs: int, all_greedy: bool) -> None:
         """`run_step` on the staged inputs of `bs` requests, results into `out`."""
@@ -195,7 +208,7 @@ class GraphRunner:
     def reset_inputs(self) -> None:
         """Every request a padding request (writes nothing anywhere): capture and profiling."""
         self.host_i64.numpy()[:] = 0
-        for name in ("slots", "d_slots"):
+        for name in ("slots", "d_slots", "s_read", "s_write"):
             self._view(self.host_i64, name).numpy()[:] = -1
         for name in ("greedy", "top_k"):
             self._view(self.host_i64, name).numpy()[:] = 1

@@ -9,8 +9,8 @@ per sample row). The step crosses to the core once each way: the plan in, result
 
 A hybrid target (Qwen3.5: GDN + attention layers) keeps its recurrent state in slots that are
 pages of the same pool (worker/state_pool.py: views into the KV tensors; the core owns and
-counts them). It runs eager steps only for now (no decode graphs) and without the fast CPU
-backend (torch reference layers).
+counts them). Its decode graphs also stage the state slots (graph_runner.py); it runs
+without the fast CPU backend (torch reference layers on the CPU).
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ class ModelRunner:
         self.state_layout = None
         if rc.hybrid:
             self.state_layout = layout(rc.model_config, rc.draft_config, rc.page_size, rc.dtype)
-            logger.info("hybrid target: eager steps (no decode graphs, no fast CPU backend); %d GDN layers' "
-                        "state in slots of the KV pool", len(rc.model_config.gdn_layer_ids))
+            logger.info("hybrid target: %d GDN layers' state in slots of the KV pool (no fast CPU backend)",
+                        len(rc.model_config.gdn_layer_ids))
         else:
             for line in install_cpu_backend(target, draft, rc.cpu_weights):
                 logger.info(line)
@@ -62,13 +62,13 @@ class ModelRunner:
         # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each, one
         # runner per verify block B (several with a draft-length schedule).
         self.graphs: dict[int, GraphRunner] = {}
-        if use_kernels(target.model.embed_tokens.weight) and not rc.hybrid:
+        if use_kernels(target.model.embed_tokens.weight):
             width = _core.pages_per_seq(rc.max_model_len, rc.reserve_rows, rc.page_size)
             for k in rc.draft_lengths:  # the longest block first: it sizes the shared graph pool
                 self.graphs[k + 1] = GraphRunner(
                     self.models, self.step_timer, block_rows=k + 1, draft_rows=rc.draft_rows_for(k + 1),
                     max_num_seqs=rc.max_num_seqs, page_table_width=width, enforce_eager=rc.enforce_eager,
-                    capture_buckets=self._buckets_for(k), device=rc.device)
+                    capture_buckets=self._buckets_for(k), device=rc.device, hybrid=rc.hybrid)
         capturing = any(not g.enforce_eager for g in self.graphs.values())
         self.memory: MemoryReport = size_kv_pool(rc, self.bytes_per_page, self.profile, capturing,
                                                  self.state_layout.bytes_per_slot if self.state_layout else 0)
@@ -161,11 +161,14 @@ class ModelRunner:
         from ..kernels.attention import warmup
 
         t0, n = time.perf_counter(), 0
-        shapes = {(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-                  for c in [self.rc.model_config] + ([self.rc.draft_config] if self.rc.draft_config else [])}
-        for heads, kv_heads, head_dim in sorted(shapes):
+        shapes: dict[tuple[int, int, int], bool] = {}  # (heads, kv heads, head dim) -> any windowed layer
+        for c in [self.rc.model_config] + ([self.rc.draft_config] if self.rc.draft_config else []):
+            key = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            windowed = any(w is not None for w in getattr(c, "layer_windows", ()))
+            shapes[key] = shapes.get(key, False) or windowed
+        for (heads, kv_heads, head_dim), windowed in sorted(shapes.items()):
             n += warmup(heads, kv_heads, head_dim, self.rc.page_size, self.rc.dtype, self.device,
-                        exact=self.rc.batch_invariant)
+                        exact=self.rc.batch_invariant, windowed=windowed)
         torch.cuda.synchronize(self.device)
         logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
 
