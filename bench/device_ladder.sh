@@ -7,29 +7,38 @@
 # ladder, logs incl. the server's startup memory lines) land in $OUT. AB=1 adds c=32 (AB_CONC)
 # rungs with the host/device overlap off and Python's default GIL switch interval (A/B);
 # SCHED adds a spec-on ladder with a draft-length schedule; OFF_CONC limits the spec-off rungs.
+# SHAPE (default qwen3-8b; qwen3.5-27b for the hybrid ladder of issue 19), KS (draft lengths,
+# default 15: one spec-on ladder each), MAXLEN (--max-model-len, default 8192), LONG_CONC
+# (rungs of one more spec-on ladder at --max-model-len 32768, K = the first of KS), OFF=0
+# (no spec-off ladder).
 set -o pipefail
 source bench/device_env.sh
-Q=/tmp/q8; QD=/tmp/q8d; L=/tmp/ladder_logs; mkdir -p $L
+SHAPE=${SHAPE:-qwen3-8b}; Q=/tmp/ckpt_$SHAPE; QD=/tmp/ckpt_${SHAPE}_draft; L=/tmp/ladder_logs; mkdir -p $L
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > $L/smi.txt
-[ -f $Q/config.json ] || timeout 150 python3 -m dflash_engine.random_checkpoint --shape qwen3-8b $Q --draft $QD 2>&1 | tail -2
+[ -f $Q/config.json ] || { t0=$(date +%s); timeout 300 python3 -m dflash_engine.random_checkpoint --shape $SHAPE $Q \
+    --draft $QD 2>&1 | tail -2; echo "checkpoint written in $(( $(date +%s) - t0 )) s"; }
 # ladder NAME CONCURRENCIES "ENV=VALUE ..." [serve flags...]
 ladder() {
     name=$1; conc=$2; envs=$3; shift 3
-    env $envs python3 -m dflash_engine.cli serve $Q --max-num-seqs 32 --max-model-len 8192 --port 8000 "$@" \
+    env $envs python3 -m dflash_engine.cli serve $Q --max-num-seqs 32 --max-model-len ${MAXLEN:-8192} --port 8000 "$@" \
         > $L/server_$name.log 2>&1 &
     pid=$!
-    for i in $(seq 1 120); do curl -sf localhost:8000/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 2; done
-    echo "== $name ($envs)"; grep -E "KV pool|memory:|max concurrency|decode step|SYNTHETIC|Error" $L/server_$name.log
+    for i in $(seq 1 ${START_WAIT:-120}); do curl -sf localhost:8000/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 2; done
+    echo "== $name ($envs)"; grep -E "KV pool|memory:|state|max concurrency|decode step|SYNTHETIC|Error|hybrid" $L/server_$name.log
     timeout ${RUNG_TIMEOUT:-240} python3 -m dflash_engine.cli bench serve --port 8000 --backend openai-chat \
         --dataset-name random --random-input-len 1024 --random-output-len 512 --num-prompts auto \
         --concurrency $conc --result-dir $OUT --result-filename ladder_$name.json \
         --disable-tqdm --label "$name $envs" 2>&1 | tee $L/ladder_$name.log | tail -7
     kill $pid; wait $pid 2>/dev/null
 }
-SPEC='{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": 15, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'
+spec() { echo '{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": '$1', "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'; }
+KS=${KS:-15}; SPEC=$(spec ${KS%% *})
 ALL=${CONC:-1,2,4,8,16,32}
-ladder spec_off ${OFF_CONC:-$ALL} ""   # OFF_CONC=1,4: only the rungs that showed the start-up TTFT stall
-ladder spec_on $ALL "" --speculative-config "$SPEC"
+[ "${OFF:-1}" = 0 ] || ladder spec_off ${OFF_CONC:-$ALL} ""   # OFF_CONC=1,4: only the rungs that showed the start-up TTFT stall
+for k in $KS; do ladder spec_on_k$k $ALL "" --speculative-config "$(spec $k)"; done
+if [ -n "${LONG_CONC:-}" ]; then
+    MAXLEN=32768 ladder spec_on_32k $LONG_CONC "" --speculative-config "$SPEC"
+fi
 if [ -n "${SCHED:-}" ]; then   # the draft-length schedule, e.g. SCHED='[[4, 15], [8, 11], [16, 7], [32, 5]]'
     ladder spec_on_sched $ALL "" --speculative-config "${SPEC%\}}, \"num_speculative_tokens_schedule\": $SCHED}"
 fi
