@@ -328,7 +328,7 @@ def test_cuda_graph_capture_and_replay():
 
 
 def test_warmup_launches_every_block_size_causal_and_split_variant(monkeypatch):
-    """warmup() (run at GPU start-up) covers each BLOCK_Q that _pick_blocks can choose, x
+    """warmup() (run at GPU start-up) covers each BLOCK_Q that tile_geometry can choose, x
     causal / not, x split / not: the variants a serving step can meet."""
     from dflash_engine.kernels import attention as ka
 
@@ -337,11 +337,37 @@ def test_warmup_launches_every_block_size_causal_and_split_variant(monkeypatch):
 
     def spy(q, *a, num_splits=None, **k):
         causal = a[6]
-        seen.add((ka._pick_blocks(q.shape[0], q.shape[1] // a[0].shape[2], q.shape[2])[0], causal, num_splits > 1))
+        geometry = ka.tile_geometry(q.shape[0], q.shape[1] // a[0].shape[2], q.shape[2], False)
+        seen.add((geometry[0], causal, num_splits > 1))
         return real(q, *a, num_splits=num_splits, **k)
 
     monkeypatch.setattr(ka, "paged_attention", spy)
     n = ka.warmup(8, 2, 32, 16, torch.float32, torch.device("cpu"))
-    block_qs = {ka._pick_blocks(q, 4, 32)[0] for q in range(1, 512)}
+    block_qs = {ka.tile_geometry(q, 4, 32, False)[0] for q in range(1, 512)}
     assert seen == {(b, c, s) for b in block_qs for c in (True, False) for s in (True, False)}
     assert n == len(seen)
+
+
+def test_default_mode_decode_row_shares_the_verify_blocks_geometry_and_bits():
+    """The default mode floors the tile at DECODE_TILE_ROWS query rows: a decode call (1 row per
+    request) and a verify call (B <= 16 rows) run one geometry, and a token decoded alone gets
+    the bits it gets as row i of a 16-row verify block (same batch, same split count)."""
+    from dflash_engine.kernels import attention as ka
+
+    for group, head_dim in ((3, 64), (4, 128), (8, 128), (1, 256)):
+        want = ka.tile_geometry(16, group, head_dim, False)
+        assert all(ka.tile_geometry(q, group, head_dim, False) == want for q in (1, 2, 4, 8, 16))
+    torch.manual_seed(0)
+    page, n_kv, heads, d, ctx = 16, 2, 6, 32, 200  # 16 verify rows at positions 184..199: 4 key tiles each
+    k_cache = torch.randn(20, page, n_kv, d)
+    v_cache = torch.randn(20, page, n_kv, d)
+    table = torch.arange(1, 14, dtype=torch.int32)[None]
+    block = torch.randn(16, heads, d)
+    qsl = torch.tensor([0, 16], dtype=torch.int32)
+    verify = ka.paged_attention(block, k_cache, v_cache, qsl, torch.tensor([ctx], dtype=torch.int32), table, 0.2,
+                                True, 16)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for i in range(16):
+        alone = ka.paged_attention(block[i:i + 1].contiguous(), k_cache, v_cache, one,
+                                   torch.tensor([ctx - 15 + i], dtype=torch.int32), table, 0.2, True, 1)
+        assert torch.equal(alone[0], verify[i]), i

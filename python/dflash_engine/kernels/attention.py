@@ -55,9 +55,13 @@ writes lse = -inf for it and weighs nothing in the combine.
 The exact (batch-invariant) mode
 --------------------------------
 By default the split count comes from the batch (`choose_num_splits`) and the tile shape
-from the longest query, so a row's reduction order -- and its bits -- depend on the step it
-runs in: a decode row (1 row per request) and the same row inside a verify block (B rows)
-differ in bf16. ``exact=True`` makes a row's result a function of its own context only:
+from the longest query, floored at ``DECODE_TILE_ROWS`` query rows: a decode row (1 row per
+request) and the same row inside a verify block of up to 16 rows run the same tile geometry
+(the same dot instructions), so at the same batch they agree bit for bit (measured on the
+H200: 16 of 16 rows, against 4-15 with the decode call's own geometry; no measurable cost,
+docs/GPU_NOTES.md run 27). The split count still follows the batch, and prefill rows use
+wider tiles, so in general a row's bits depend on the step it runs in. ``exact=True`` makes
+a row's result a function of its own context only:
 
 - splits of a fixed size in keys (``split_keys``): split ``s`` always covers key tiles
   ``[s * SPLIT_TILES, (s + 1) * SPLIT_TILES)``, whatever the grid. A row has one partial
@@ -361,6 +365,9 @@ def _paged_attention_kernel(
 
 # Tiles hold at most this many packed (query row x GQA head) rows.
 _MAX_BLOCK_M = 128
+# The default mode's smallest tile, in query rows: decode (1 row) and verify blocks (up to 16
+# rows: K <= 15) share one geometry, so speculation does not change a decode row's bits.
+DECODE_TILE_ROWS = 16
 
 
 def _pick_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
@@ -372,6 +379,14 @@ def _pick_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, in
     block_m = max(16, triton.next_power_of_2(block_q * group))  # tl.dot needs M >= 16
     block_n = 64 if head_dim <= 128 else 32
     return block_q, block_m, block_n
+
+
+def tile_geometry(max_query_len: int, group: int, head_dim: int, exact: bool) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N) of a call: the exact mode's one geometry, else the longest
+    query's, at least DECODE_TILE_ROWS rows."""
+    if exact:
+        return _exact_blocks(group, head_dim)
+    return _pick_blocks(max(max_query_len, DECODE_TILE_ROWS), group, head_dim)
 
 
 def _exact_blocks(group: int, head_dim: int) -> tuple[int, int, int]:
@@ -444,10 +459,9 @@ def paged_attention(
     if exact:
         assert num_splits is None, "the exact mode's splits come from split_keys, not a count"
         split_keys = EXACT_SPLIT_KEYS if split_keys is None else split_keys
-        block_q, block_m, block_n = _exact_blocks(group, head_dim)
     else:
         assert num_splits is None or split_keys is None, "num_splits or split_keys, not both"
-        block_q, block_m, block_n = _pick_blocks(max_query_len, group, head_dim)
+    block_q, block_m, block_n = tile_geometry(max_query_len, group, head_dim, exact)
     num_q_blocks = triton.cdiv(max_query_len, block_q)
     # Keys one query block can span: the table's, or at most its rows' windows.
     span = max_pages * page_size
@@ -506,7 +520,7 @@ def paged_attention(
 def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.dtype,
            device: torch.device, exact: bool = False, windowed: bool = False) -> int:
     """Compile every variant of the attention kernels a step can meet (each query-block size
-    `_pick_blocks` can choose, causal and not, with and without split contexts) on tiny
+    `tile_geometry` can choose, causal and not, with and without split contexts) on tiny
     inputs, so that no request pays a Triton compile (seconds) in the middle of serving.
     `exact`: the exact mode's variants instead (one geometry: causal and not; a context of
     two splits, so the combine compiles too). `windowed`: the sliding-window variants as
@@ -514,11 +528,12 @@ def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.
     with windowed layers. Returns the number of variants launched. Compiles are cached on
     disk by Triton, so only a machine's first start pays for them."""
     group = n_heads // n_kv
-    q_lens, q = [], 1
-    while True:  # one query length per BLOCK_Q that _pick_blocks can return
-        q_lens.append(q)
-        if _pick_blocks(q * 2, group, head_dim)[0] == _pick_blocks(q, group, head_dim)[0]:
-            break
+    q_lens, block_qs, q = [], set(), 1
+    while q <= _MAX_BLOCK_M:  # one query length per BLOCK_Q that tile_geometry can return
+        block_q = tile_geometry(q, group, head_dim, False)[0]
+        if block_q not in block_qs:
+            block_qs.add(block_q)
+            q_lens.append(q)
         q *= 2
     pages = triton.cdiv(2 * EXACT_SPLIT_KEYS, page_size) if exact else 4
     kc = torch.zeros(pages, page_size, n_kv, head_dim, dtype=dtype, device=device)
