@@ -101,7 +101,7 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
     engine = LLMEngine(EngineConfig(
         model=args.target, speculative_config=spec, max_num_seqs=max_c, max_model_len=max_len,
         num_gpu_blocks_override=pages, dtype=args.dtype, device=args.device,
-        max_num_batched_tokens=max(8192, b * max_c),
+        max_num_batched_tokens=max(8192, b * max_c), tensor_parallel_size=args.tensor_parallel_size,
     ))
     dg = engine.runner.graphs.get(b)
     print(f"# {'spec on' if spec else 'spec off'}: engine ready in {time.perf_counter() - t0:.1f} s; "
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="ranks (tensor parallelism: eager steps, no graph-step timing)")
     ap.add_argument("--modes", default="off,on")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

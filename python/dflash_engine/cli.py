@@ -14,6 +14,7 @@ def _generate(args: argparse.Namespace) -> int:
         model=args.model, speculative_config=args.speculative_config, device=args.device or "auto",
         dtype=args.dtype or "auto", max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant, cpu_weights=args.cpu_weights or "auto",
+        tensor_parallel_size=args.tensor_parallel_size or 1,
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_args,
         add_cpu_weights_arg,
         add_serve_args,
+        add_tensor_parallel_arg,
         speculative_config_arg,
     )
 
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     add_batch_invariant_arg(g)
     add_cpu_weights_arg(g)
+    add_tensor_parallel_arg(g)
 
     sub.add_parser("convert", help="convert a llama GGUF into a Hugging Face directory", add_help=False)
     sub.add_parser("make-random-checkpoint", add_help=False,

@@ -64,6 +64,13 @@ def add_cpu_weights_arg(parser: argparse.ArgumentParser) -> None:
                              "grid, bf16 elsewhere); never used with --batch-invariant")
 
 
+def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=_positive_int,
+                        default=None,
+                        help="split the target and the draft over N ranks (this process and N-1 worker "
+                             "processes; N GPUs on CUDA, gloo on the CPU); default 1")
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF-style model directory or .gguf file (default: the bundled "
@@ -102,6 +109,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="GPU: run decode steps without CUDA graphs (same tokens, slower)")
     add_batch_invariant_arg(parser)
     add_cpu_weights_arg(parser)
+    add_tensor_parallel_arg(parser)
     parser.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
                         help="build each step's outputs after it, not while the GPU runs the next "
                              "(default: overlapped; also DFLASH_OVERLAP=0)")
@@ -114,7 +122,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                  "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
-                 "enforce_eager", "batch_invariant", "overlap", "cpu_weights")
+                 "enforce_eager", "batch_invariant", "overlap", "cpu_weights", "tensor_parallel_size")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -190,6 +190,9 @@ class EngineConfig:
     # "bf16", "int4" (int4 where a weight is on a 4-bit grid, bf16 elsewhere), or "auto": int4
     # for a GGUF model (the embedded default) at dtype "auto", bf16 for a bfloat16 model, else none.
     cpu_weights: str = "auto"
+    # Ranks the target and the draft are split over (vLLM's --tensor-parallel-size): this
+    # process is rank 0 and starts ranks 1..N-1 as worker processes (distributed/). 1: no split.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -197,7 +200,7 @@ class EngineConfig:
             spec, why = auto_speculative_config(self.model, self.device)
             logger.info("speculative decoding %s (auto: %s)", "on" if spec else "off", why)
         self.speculative_config = SpeculativeConfig.parse(spec, self.model)
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _core
 from .config import EngineConfig
+from .distributed.executor import start_executor
 from .outputs import CompletionOutput, RequestOutput
 from .request_state import RequestState
 from .runtime_config import resolve
@@ -101,7 +102,10 @@ class LLMEngine:
         self.model_path = rc.model_path
         self.tokenizer = Tokenizer.from_dir(rc.model_path) if (rc.model_path / "tokenizer.json").exists() else None
         self.max_model_len = rc.max_model_len
-        self.runner = ModelRunner(rc)
+        # Tensor parallelism (distributed/): ranks 1..N-1 in worker processes, this one rank 0;
+        # None at TP = 1 (no process, no communication).
+        self.executor = start_executor(rc)
+        self.runner = ModelRunner(rc) if self.executor is None else self.executor.build_runner(ModelRunner, rc)
         self.model_config = rc.model_config
         self.num_speculative_tokens = rc.num_speculative_tokens
         self.max_num_batched_tokens = rc.max_num_batched_tokens
@@ -157,6 +161,18 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
         return cls(EngineConfig(**kwargs))
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """Set once the engine cannot serve at all (a tensor-parallel rank died); every step
+        then raises it. None while it can."""
+        return None if self.executor is None else self.executor.failure
+
+    def close(self) -> None:
+        """Release what outlives the engine object otherwise: the tensor-parallel workers
+        (also stopped on garbage collection and at interpreter exit). Idempotent."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ---- capacity ---------------------------------------------------------------
     @property
@@ -299,6 +315,7 @@ class LLMEngine:
         return []
 
     def _recover(self, plan, e: Exception) -> list[RequestOutput]:
+        self._raise_if_fatal(plan, e)
         logger.exception("engine step failed; retrying its %d requests one by one", len(plan))
         self.runner.step_timer.pause()  # a half-timed step: neither busy nor idle
         self.scheduler.cancel(plan)
@@ -323,11 +340,20 @@ class LLMEngine:
             try:
                 outputs += self._run(plan)
             except Exception as e:  # noqa: BLE001
+                self._raise_if_fatal(plan, e)
                 logger.exception("request %s failed its step alone", self._requests[h].request_id)
                 self.runner.step_timer.pause()
                 self.scheduler.cancel(plan)
                 outputs += self._fail_alone(h, e)
         return outputs
+
+    def _raise_if_fatal(self, plan, e: Exception) -> None:
+        """A failure no retry can fix (fatal_error): drop the step and raise it."""
+        fatal = self.fatal_error
+        if fatal is not None:
+            self.runner.step_timer.pause()
+            self.scheduler.cancel(plan)
+            raise fatal from e
 
     def _fail_alone(self, handle: int, e: Exception) -> list[RequestOutput]:
         if handle not in self._requests:

@@ -64,3 +64,16 @@ def server_api_key() -> str | None:
 def client_api_key() -> str | None:
     """`DFLASH_API_KEY`, else `OPENAI_API_KEY`: the benchmark client's default `--api-key`."""
     return os.environ.get("DFLASH_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+
+
+def tp_step_timeout_s() -> float:
+    """`DFLASH_TP_TIMEOUT_S` (default 300): under tensor parallelism, the longest any one
+    collective of a step may wait for the other ranks before the engine fails with an error (a
+    rank that died is reported within seconds, by its process sentinel; this bounds a hung one)."""
+    return float(os.environ.get("DFLASH_TP_TIMEOUT_S", "300") or 300)
+
+
+def tp_setup_timeout_s() -> float:
+    """`DFLASH_TP_SETUP_TIMEOUT_S` (default 1800): under tensor parallelism, the longest the
+    engine waits for its worker ranks to start and load their shards."""
+    return float(os.environ.get("DFLASH_TP_SETUP_TIMEOUT_S", "1800") or 1800)

@@ -35,6 +35,7 @@ class LLM:
         batch_invariant: bool | None = None,
         overlap: bool | None = None,
         cpu_weights: str = "auto",
+        tensor_parallel_size: int = 1,
     ):
         """speculative_config: "auto" (default): DFlash with the shipped draft when `model` is
         the embedded SmolLM2 (on a GPU or the CPU), off for other models; None or "none": off;
@@ -44,7 +45,9 @@ class LLM:
         spec-on output equals spec-off exactly); False: plain CPU kernels (fast); None: from
         $VLLM_BATCH_INVARIANT / $DFLASH_BATCH_INVARIANT, default False.
         cpu_weights: the fast CPU mode's GEMM weights, "auto" (default), "none", "bf16" or
-        "int4" (EngineConfig.cpu_weights, cpu/weights.py)."""
+        "int4" (EngineConfig.cpu_weights, cpu/weights.py).
+        tensor_parallel_size: ranks the target and draft are split over (this process and N-1
+        worker processes it starts; `llm.engine.close()` stops them, as does garbage collection)."""
         self.engine = LLMEngine(
             EngineConfig(
                 model=model, speculative_config=speculative_config, max_num_seqs=max_num_seqs,
@@ -53,7 +56,7 @@ class LLM:
                 block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
                 enforce_eager=enforce_eager, batch_invariant=batch_invariant, overlap=overlap,
-                cpu_weights=cpu_weights,
+                cpu_weights=cpu_weights, tensor_parallel_size=tensor_parallel_size,
             )
         )
         self._ids = itertools.count()

@@ -24,6 +24,7 @@ from .cpu import resolve_format
 from .model_path import is_gguf_model, resolve_model_path
 from .models.config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
 from .models.loader import read_config, target_config
+from .models.parallel import shard_problems
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,10 @@ class RuntimeConfig:
     cpu_kv_cache_bytes: int
     cpu_kv_cache_source: str  # how the CPU budget was chosen, for the memory report
     seed: int
+    # Tensor parallelism (distributed/): ranks, and the bounds on a rank's waits for the others.
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 300.0  # any one collective of a step
+    tp_setup_timeout_s: float = 1800.0  # worker start-up and shard loading
 
     @property
     def block_rows(self) -> int:
@@ -113,6 +118,32 @@ class RuntimeConfig:
     @property
     def synthetic(self) -> bool:
         return self.synthetic_rates is not None
+
+
+def check_tensor_parallel(size: int, mcfg: ModelConfig, dcfg: DraftConfig | None, device: torch.device,
+                          cpu_weights: str, device_count: int | None = None) -> None:
+    """Refuse, with every reason at once, a tensor-parallel split that cannot run: a hybrid
+    target (not supported yet), the fast CPU backend's packed formats (single-process only: TP
+    runs the plain torch layers), more ranks than GPUs, sizes not divisible by the ranks."""
+    if size == 1:
+        return
+    if hasattr(mcfg, "gdn_layer_ids"):
+        raise ValueError(f"tensor_parallel_size {size}: tensor parallelism is not supported yet for hybrid "
+                         "(Qwen3.5) targets; use tensor_parallel_size 1")
+    problems = []
+    if cpu_weights in ("bf16", "int4"):
+        problems.append(f"cpu_weights {cpu_weights!r} is the fast CPU backend's, which runs in one process only; "
+                        "tensor parallelism runs the plain torch layers (cpu_weights 'auto' or 'none')")
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if device_count is None else device_count
+        first = device.index or 0
+        if first + size > n:
+            problems.append(f"it needs {size} GPUs (cuda:{first}..cuda:{first + size - 1}) but {n} are visible")
+    problems += shard_problems(mcfg, size, "the target")
+    if dcfg is not None:
+        problems += shard_problems(dcfg, size, "the draft", split_vocab=False)
+    if problems:
+        raise ValueError(f"tensor_parallel_size {size} cannot run: " + "; ".join(problems))
 
 
 def resolve(cfg: EngineConfig) -> RuntimeConfig:
@@ -157,6 +188,13 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
                            "acceptance length %.2f; outputs are NOT the target's", [round(r, 4) for r in rates],
                            expected)
 
+    tp = cfg.tensor_parallel_size
+    # An explicit packed format that would apply is refused; "auto" quietly becomes "none".
+    check_tensor_parallel(tp, mcfg, dcfg, device, cpu_weights if cfg.cpu_weights == cpu_weights else "none")
+    if tp > 1 and cpu_weights != "none":
+        logger.info("tensor parallelism: the fast CPU backend is single-process; the plain torch layers run")
+        cpu_weights = "none"
+
     page_size, prefix_caching = cfg.block_size, cfg.enable_prefix_caching
     if hasattr(mcfg, "gdn_layer_ids"):  # a hybrid target: one page must hold a state slot
         from .worker.state_pool import hybrid_page_size
@@ -186,5 +224,6 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
         gpu_memory_utilization=cfg.gpu_memory_utilization, num_gpu_blocks_override=cfg.num_gpu_blocks_override,
         cpu_kv_cache_bytes=int(gb * (1 << 30)) or DEFAULT_CPU_KV_BYTES,
         cpu_kv_cache_source=f"DFLASH_CPU_KV_CACHE_GB={gb:g}" if gb else "DFLASH_CPU_KV_CACHE_GB (default 1)",
-        seed=cfg.seed,
+        seed=cfg.seed, tensor_parallel_size=tp, tp_timeout_s=envs.tp_step_timeout_s(),
+        tp_setup_timeout_s=envs.tp_setup_timeout_s(),
     )

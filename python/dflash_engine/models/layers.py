@@ -26,8 +26,13 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batch_invariant = False  # the model's flag, copied here by set_batch_invariant
+        # Tensor parallelism: a row-parallel layer's forward (models/parallel.py RowParallel:
+        # partial GEMM, all-reduce, bias); None: the whole GEMM (TP = 1, column-parallel layers).
+        self.row_parallel = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.row_parallel is not None:
+            return self.row_parallel(self, x)
         return dispatch.linear(x, self.weight, self.bias, self.batch_invariant)
 
 
@@ -183,6 +188,9 @@ class CausalLM(nn.Module):
         self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.batch_invariant = False  # the logits GEMM's exact-mode flag (set_batch_invariant)
         self.backend: TargetBackend | None = None  # a runtime backend's layer loop and logits (backend.py)
+        # Tensor parallelism: this rank's TPShard (models/parallel.py) when the embedding and
+        # lm_head hold its slice of the vocabulary; None: the whole vocabulary (TP = 1).
+        self.tp = None
 
     @property
     def logits_weight(self) -> Tensor:
@@ -190,6 +198,8 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def embed(self, ids: Tensor) -> Tensor:
+        if self.tp is not None:
+            return self.tp.embed(self.model.embed_tokens.weight, ids)
         return self.model.embed_tokens(ids)
 
     def forward(
@@ -211,7 +221,8 @@ class CausalLM(nn.Module):
         """Float32 logits [N, V] of final-normed hidden rows."""
         if self.backend is not None:
             return self.backend.compute_logits(hidden)
-        return dispatch.logits(hidden, self.logits_weight, self.batch_invariant)
+        logits = dispatch.logits(hidden, self.logits_weight, self.batch_invariant)
+        return logits if self.tp is None else self.tp.gather_columns(logits)  # every rank: [N, V]
 
     def propose(self, hidden: Tensor) -> Tensor:
         """A draft's proposed tokens from its final hidden rows: the argmax of their logits

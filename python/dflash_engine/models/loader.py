@@ -19,6 +19,7 @@ from .dflash import DFlashDraftModel
 from .layers import set_batch_invariant
 from .llama import LlamaForCausalLM
 from .packed import checkpoint_shards
+from .parallel import TPShard, checkpoint_slice, rank_config, read_slice, shard_model
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_5_config import HybridConfig, is_hybrid_config
 
@@ -58,9 +59,12 @@ def _ignorable(name: str, model: nn.Module) -> bool:
     return name == "lm_head.weight" and getattr(model, "lm_head", 0) is None
 
 
-def load_weights(model: nn.Module, files: list[Path]) -> None:
+def load_weights(model: nn.Module, files: list[Path], tp: TPShard | None = None,
+                 full_config: ModelConfig | None = None) -> None:
     """Fill `model`'s parameters from Hugging Face safetensors files. Packed parameters
-    (packed.py) are filled shard by shard; errors name the checkpoint tensor."""
+    (packed.py) are filled shard by shard; errors name the checkpoint tensor. Under tensor
+    parallelism (`tp`; `model` built from `rank_config(full_config, tp.size)`) only the rank's
+    slice of each split tensor is read (parallel.py, checkpoint_slice)."""
     params = dict(model.named_parameters())
     own = getattr(model, "checkpoint_shards", None)  # a model with its own checkpoint layout (qwen3_5.py)
     shards = own() if own is not None else checkpoint_shards(params.items(), model.config)
@@ -78,27 +82,37 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                                          f"(again in {file.name})")
                     param_name, start, rows = shards[name]
                     dest = params[param_name].narrow(0, start, rows)
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(dest.shape):
-                        where = ("" if param_name == name
-                                 else f" (rows [{start}, {start + rows}) of {param_name})")
+                    where = None if tp is None else checkpoint_slice(name, full_config, tp)
+                    expected = tuple(dest.shape)
+                    if where is None:
+                        shape = tuple(f.get_slice(name).get_shape())
+                        tensor = f.get_tensor(name) if shape == expected else None
+                    else:  # only the rank's rows / columns are read; `expected`: the whole tensor's
+                        tensor, shape = read_slice(f, name, where)
+                        expected = expected[:where[0]] + (where[3],) + expected[where[0] + 1:]
+                    if tensor is None or tensor.shape != dest.shape:
+                        rows_of = "" if param_name == name else f" (rows [{start}, {start + rows}) of {param_name})"
                         raise ValueError(
                             f"shape mismatch for tensor {name!r} in {file.name}: "
-                            f"expected {tuple(dest.shape)}, got {shape}{where}"
+                            f"expected {expected}, got {shape}{rows_of}"
                         )
-                    dest.copy_(f.get_tensor(name))
+                    dest.copy_(tensor)
                     loaded.add(name)
     missing = sorted(set(shards) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing)}")
 
 
-def _build(cls, cfg, path, dtype: torch.dtype, device, batch_invariant: bool | None) -> nn.Module:
+def _build(cls, cfg, path, dtype: torch.dtype, device, batch_invariant: bool | None,
+           tp: TPShard | None = None) -> nn.Module:
     # Build without initialisation (meta device), then materialise and fill from the checkpoint.
+    # Under tensor parallelism: this rank's part (its config view, its slices: parallel.py).
     with torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg if tp is None else rank_config(cfg, tp.size))
+        if tp is not None:
+            shard_model(model, tp)
     model = model.to(dtype).to_empty(device=device)
-    load_weights(model, safetensors_files(path))
+    load_weights(model, safetensors_files(path), tp, cfg)
     set_batch_invariant(model, envs.batch_invariant() if batch_invariant is None else batch_invariant)
     return model.eval().requires_grad_(False)
 
@@ -110,21 +124,22 @@ def target_config(d: dict) -> ModelConfig:
 
 
 def load_target(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu",
-                batch_invariant: bool | None = None) -> nn.Module:
+                batch_invariant: bool | None = None, tp: TPShard | None = None) -> nn.Module:
     """batch_invariant: CPU GEMMs in the exact mode (a row's bits never depend on its batch);
-    None: `envs.batch_invariant()` (default off: plain GEMMs). The engine passes its resolved flag."""
+    None: `envs.batch_invariant()` (default off: plain GEMMs). The engine passes its resolved flag.
+    tp: this rank's shard under tensor parallelism (models/parallel.py); None: the whole model."""
     cfg = ModelConfig.from_dict(read_config(path))
     return _build(TARGET_CLASSES[cfg.architecture], cfg, path, resolve_dtype(dtype, cfg.torch_dtype, device), device,
-                  batch_invariant)
+                  batch_invariant, tp)
 
 
 def load_draft(
     path: str | Path, target_config: ModelConfig, dtype: str | torch.dtype = "auto", device="cpu",
-    batch_invariant: bool | None = None,
+    batch_invariant: bool | None = None, tp: TPShard | None = None,
 ) -> DFlashDraftModel:
     """dtype "auto": the target's dtype ("auto" of its checkpoint dtype; the draft reads the target's embeddings and
     hidden states, so it computes in the target's dtype; a bf16 draft serves a float32 target)."""
     cfg = DraftConfig.from_dict(read_config(path))
     validate_draft_against_target(cfg, target_config)
     return _build(DFlashDraftModel, cfg, path, resolve_dtype(dtype, target_config.torch_dtype, device), device,
-                  batch_invariant)
+                  batch_invariant, tp)

@@ -145,11 +145,16 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        return (self._thread is not None and self._thread.is_alive() and self._dead is None
+                and self._fatal() is None)
 
     @property
     def dead_error(self) -> BaseException | None:
-        return self._dead
+        return self._dead or self._fatal()
+
+    def _fatal(self) -> BaseException | None:
+        """The engine's own verdict that it cannot serve (a tensor-parallel rank died)."""
+        return getattr(self.engine, "fatal_error", None)
 
     @property
     def num_in_flight(self) -> int:
@@ -185,7 +190,7 @@ class AsyncLLMEngine:
         live request is untouched); call ``release`` once done with the stream.
         """
         if not self.is_healthy:
-            raise EngineDead(f"engine is not running: {self._dead!r}")
+            raise EngineDead(f"engine is not running: {self.dead_error!r}")
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = RequestStream(request_id, asyncio.get_running_loop(), client_request_id)
@@ -296,6 +301,8 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
+            if self._fatal() is not None:
+                raise  # the engine cannot serve any more: the loop ends, every request fails
             # The engine is meant to contain step failures itself; this is the backstop.
             logger.exception("engine step raised; failing its %d requests", len(self._streams))
             for rid, stream in list(self._streams.items()):

@@ -11,11 +11,16 @@ A hybrid target (Qwen3.5: GDN + attention layers) keeps its recurrent state in s
 pages of the same pool (worker/state_pool.py: views into the KV tensors; the core owns and
 counts them). Its decode graphs also stage the state slots (graph_runner.py); it runs
 without the fast CPU backend (torch reference layers on the CPU).
+
+Under tensor parallelism (`tp`: distributed/rank.py) each rank's runner holds its shard and a
+KV pool of its kv heads, runs eager steps on the plain torch layers, and launches each step
+through `tp.launch` (the driver's broadcasts it to the workers first); TP = 1 is untouched.
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +28,7 @@ import torch
 from .. import _core
 from ..cpu import install as install_cpu_backend
 from ..models import load_draft, load_target
+from ..models.parallel import rank_config
 from ..ops.dispatch import use_kernels
 from ..runtime_config import RuntimeConfig
 from . import step_costs
@@ -34,23 +40,38 @@ from .state_pool import layout, state_views
 from .step import StepInputs, StepModels, run_step
 from .step_timer import StepTimer
 
+if TYPE_CHECKING:
+    from ..distributed.rank import TPRank
+
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, rc: RuntimeConfig):
+    def __init__(self, rc: RuntimeConfig, tp: TPRank | None = None):
         self.rc = rc
         self.device = rc.device
-        target = load_target(rc.model_path, rc.dtype, rc.device, batch_invariant=rc.batch_invariant)
+        # ---- tensor parallelism (distributed/; None at TP = 1) ----------------------------
+        # This rank's shard of the models; its KV pool holds its kv heads (the per-rank config
+        # views); no decode graphs and no fast CPU backend; every rank agrees on the pool size.
+        self.tp = tp
+        shard = None if tp is None else tp.shard
+        size = 1 if tp is None else tp.size
+        self.target_config = rank_config(rc.model_config, size)
+        self.draft_config = None if rc.draft_config is None else rank_config(rc.draft_config, size)
+        # ------------------------------------------------------------------------------------
+        target = load_target(rc.model_path, rc.dtype, rc.device, batch_invariant=rc.batch_invariant, tp=shard)
         draft = None
         if rc.draft_path is not None:
-            draft = load_draft(rc.draft_path, rc.model_config, rc.dtype, rc.device, batch_invariant=rc.batch_invariant)
+            draft = load_draft(rc.draft_path, rc.model_config, rc.dtype, rc.device, batch_invariant=rc.batch_invariant,
+                               tp=shard)
+        if tp is not None:  # every rank has its shard before the first collective of a step
+            tp.barrier()
         self.state_layout = None
         if rc.hybrid:
             self.state_layout = layout(rc.model_config, rc.draft_config, rc.page_size, rc.dtype)
             logger.info("hybrid target: %d GDN layers' state in slots of the KV pool (no fast CPU backend)",
                         len(rc.model_config.gdn_layer_ids))
-        else:
+        elif tp is None:
             for line in install_cpu_backend(target, draft, rc.cpu_weights):
                 logger.info(line)
         rates = None if rc.synthetic_rates is None else torch.tensor(rc.synthetic_rates, dtype=torch.float64,
@@ -58,11 +79,11 @@ class ModelRunner:
         self.models = StepModels(target=target, draft=draft, kv=None, tap_layers=list(rc.tap_layers or []) or None,
                                  synthetic_rates=rates)
         self.step_timer = StepTimer(rc.device)
-        self.bytes_per_page = KVCache.bytes_per_page(rc.model_config, rc.draft_config, rc.page_size, rc.dtype)
+        self.bytes_per_page = KVCache.bytes_per_page(self.target_config, self.draft_config, rc.page_size, rc.dtype)
         # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each, one
         # runner per verify block B (several with a draft-length schedule).
         self.graphs: dict[int, GraphRunner] = {}
-        if use_kernels(target.model.embed_tokens.weight):
+        if use_kernels(target.model.embed_tokens.weight) and tp is None:
             width = _core.pages_per_seq(rc.max_model_len, rc.reserve_rows, rc.page_size)
             for k in rc.draft_lengths:  # the longest block first: it sizes the shared graph pool
                 self.graphs[k + 1] = GraphRunner(
@@ -72,6 +93,8 @@ class ModelRunner:
         capturing = any(not g.enforce_eager for g in self.graphs.values())
         self.memory: MemoryReport = size_kv_pool(rc, self.bytes_per_page, self.profile, capturing,
                                                  self.state_layout.bytes_per_slot if self.state_layout else 0)
+        if tp is not None:  # every rank's pool has the pages the tightest rank fits
+            self.memory.num_pages = tp.agree_min(self.memory.num_pages)
         self.memory.check_holds_one_request()
         self.num_pages = self.memory.num_pages
         self.models.kv = self._allocate(self.num_pages)
@@ -115,7 +138,7 @@ class ModelRunner:
 
     def _allocate(self, num_pages: int) -> KVCache:
         """The pool: KV pages, and for a hybrid target the state slots as views into them."""
-        kv = KVCache.allocate(self.rc.model_config, self.rc.draft_config, num_pages, self.rc.page_size,
+        kv = KVCache.allocate(self.target_config, self.draft_config, num_pages, self.rc.page_size,
                               self.rc.dtype, self.device)
         if self.state_layout is not None:
             kv.state = state_views(kv, self.state_layout)
@@ -162,7 +185,7 @@ class ModelRunner:
 
         t0, n = time.perf_counter(), 0
         shapes: dict[tuple[int, int, int], bool] = {}  # (heads, kv heads, head dim) -> any windowed layer
-        for c in [self.rc.model_config] + ([self.rc.draft_config] if self.rc.draft_config else []):
+        for c in [self.target_config] + ([self.draft_config] if self.draft_config else []):
             key = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
             windowed = any(w is not None for w in getattr(c, "layer_windows", ()))
             shapes[key] = shapes.get(key, False) or windowed
@@ -176,6 +199,8 @@ class ModelRunner:
     def launch(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
         """Launch the step's device work (in_flight.py). `st`: per sample row, the owning
         request's sampling parameters (numpy)."""
+        if self.tp is not None:  # tensor parallel: the driver sends the step to the workers first
+            return self.tp.launch(plan, st, all_greedy, self._launch_eager)
         if self.graphs and plan.num_decode == len(plan):
             return self.graphs[plan.block_rows].run(plan, st, all_greedy)
         return self._launch_eager(plan, st, all_greedy)

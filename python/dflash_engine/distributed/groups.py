@@ -1,0 +1,72 @@
+"""Rendezvous and process groups of the tensor-parallel ranks.
+
+The driver hosts a `torch.distributed.TCPStore` on 127.0.0.1 at a port the OS picks (no
+race between choosing a port and binding it) and passes the port to the workers it spawns.
+Every rank then builds the same three process groups, in the same order, over prefixes of
+that store (standalone groups, not the process-global default group: one process may hold
+several engines, one after another or at once):
+
+    setup     gloo: setup agreements (rank.py: every rank loaded; the KV pool's size)
+    control   gloo, CPU tensors: each step's message (step_message.py)
+    device    the models' collectives (models/parallel.py): gloo on CPU, NCCL on CUDA
+
+A group's timeout bounds every wait of its rank in it (a gloo broadcast's root waits until
+every receiver takes the message): `setup` by the setup timeout (loading a shard may take
+minutes), the driver's `control` and every rank's `device` by the step timeout; a worker's
+`control` waits as long as the engine is idle (the next step may come hours later) and ends
+when the driver goes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+HOST = "127.0.0.1"
+# A worker waits on `control` for its next step as long as the engine is idle.
+IDLE = timedelta(days=3650)
+
+
+@dataclass
+class Groups:
+    store: dist.Store
+    setup: dist.ProcessGroup  # gloo: setup agreements
+    control: dist.ProcessGroup  # gloo: the per-step message (CPU tensors)
+    device: dist.ProcessGroup  # the models' collectives: gloo on CPU, NCCL on CUDA
+    backend: str  # the device group's
+
+
+def host_store(size: int, timeout: timedelta) -> dist.TCPStore:
+    """The driver's store, on a free port of 127.0.0.1 (`.port`)."""
+    return dist.TCPStore(HOST, 0, size, True, timeout=timeout, wait_for_workers=False)
+
+
+def join_store(port: int, size: int, timeout: timedelta) -> dist.TCPStore:
+    return dist.TCPStore(HOST, port, size, False, timeout=timeout)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU from the engine's (cuda:i -> cuda:i+r), or the CPU."""
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+def connect(store: dist.Store, rank: int, size: int, device: torch.device, setup_timeout: timedelta,
+            control_timeout: timedelta, device_timeout: timedelta) -> Groups:
+    """Build this rank's groups (blocks until every rank builds them: a gloo group connects
+    within the setup timeout, then takes its own for the waits of its collectives)."""
+    def gloo(prefix: str, timeout: timedelta) -> dist.ProcessGroup:
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, setup_timeout)
+        group.set_timeout(timeout)
+        return group
+
+    setup, control = gloo("setup/", setup_timeout), gloo("control/", control_timeout)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = device_timeout
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("device/", store), rank, size, opts)
+        return Groups(store, setup, control, group, "nccl")
+    return Groups(store, setup, control, gloo("device/", device_timeout), "gloo")

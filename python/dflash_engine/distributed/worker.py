@@ -1,0 +1,72 @@
+"""A worker rank's process (ranks 1..N-1; spawned by executor.py).
+
+    join the driver's store -> build the groups (groups.py) -> ModelRunner(rc, tp) on this
+    rank's device: its shard, its KV pool, the same setup steps as every rank (collectives
+    line up) -> loop: receive a step (step_message.py), run it, drop its results
+
+It exits on the driver's STOP, when the driver process is gone (a thread waits on the
+parent's sentinel), or on any error: the error's last lines go to the store for the driver's
+message and the traceback to stderr, then the process exits with code 1 (the driver sees the
+exit through its sentinel and fails the engine).
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import traceback
+from datetime import timedelta
+
+import torch
+
+from ..runtime_config import RuntimeConfig
+from ..worker.model_runner import ModelRunner
+from .groups import IDLE, connect, join_store, rank_device
+from .rank import TPRank
+from .step_message import receive_step
+
+
+def _exit_with_parent() -> None:
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns when the driver process is gone
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dflash-tp-parent", daemon=True).start()
+
+
+def run_worker(rc: RuntimeConfig, rank: int, size: int, port: int, threads: int) -> None:
+    _exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it stops the workers
+    torch.set_num_threads(threads)
+    store = None
+    try:
+        store = join_store(port, size, timedelta(seconds=rc.tp_setup_timeout_s))
+        device = rank_device(rc.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        rc = dataclasses.replace(rc, device=device)
+        store.set(f"rank{rank}/joined", "1")
+        groups = connect(store, rank, size, device, timedelta(seconds=rc.tp_setup_timeout_s), IDLE,
+                         timedelta(seconds=rc.tp_timeout_s))
+        runner = ModelRunner(rc, tp=TPRank(rank, size, groups))
+        seq = 1
+        while (step := receive_step(groups.control, seq)) is not None:
+            runner.wait(runner.launch(step.plan, step.st, step.all_greedy))
+            seq += 1
+    except BaseException as e:  # noqa: BLE001  (report, then exit: the driver fails the engine)
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        if store is not None:
+            try:
+                store.set(f"rank{rank}/error", f"{type(e).__name__}: {e}"[-2000:])
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(1)
+    os._exit(0)

@@ -1,0 +1,299 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks, float32 exact mode): TP = 2 output equals
+TP = 1 output token for token, spec on and off, c = 1 and 8, with chunked prefill and
+preemption, τ equal; a killed worker fails the engine within seconds (health 503), no hang,
+no orphan process. The sharding math itself is checked without processes (simulated ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import multiprocessing as mp
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_engine import LLM, SamplingParams, _core
+from dflash_engine.config import EngineConfig
+from dflash_engine.distributed.executor import TensorParallelError
+from dflash_engine.distributed.step_message import pack, unpack
+from dflash_engine.models import load_draft, load_target
+from dflash_engine.models.parallel import TPShard, rank_config
+from dflash_engine.runtime_config import check_tensor_parallel, resolve
+from dflash_engine.worker.kv_cache import KVCache
+
+TP = 2
+
+
+def spec(draft) -> dict:
+    return {"method": "dflash", "model": str(draft), "draft_length": "fixed"}
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def one_by_one(llm: LLM, ps, max_tokens: int) -> list[list[int]]:
+    """Concurrency 1: each prompt alone on the engine (greedy: a prefix of the longer run's)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [tokens(llm.generate(p, params, use_tqdm=False))[0] for p in ps]
+
+
+def spec_counts(stats) -> tuple:
+    return stats.spec_num_drafts, stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos
+
+
+def tp_children() -> list:
+    return [p for p in mp.active_children() if p.name.startswith("dflash-tp-rank")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_orphans():
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while tp_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tp_children(), "tensor-parallel workers outlived their engines"
+
+
+# ---- the sharding math, without processes ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    """Llama with tied embeddings, attention and MLP biases and ONE kv head (replicated on both
+    ranks), and a random draft for it."""
+    from tiny_models import make_tiny_dflash_draft, make_tiny_llama
+
+    root = tmp_path_factory.mktemp("tp_llama")
+    target = make_tiny_llama(root / "target", tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                             num_key_value_heads=1)
+    draft = make_tiny_dflash_draft(root / "draft", target, num_layers=1, block_size=4, target_layer_ids=[1, 2])
+    return target, draft
+
+
+def test_sharded_layers_over_simulated_ranks_equal_the_whole(llama_pair):
+    """Each rank built and loaded alone (its slices only, no group): partial sums of the
+    row-parallel layers add up to the whole layer, the vocabulary slices to the whole."""
+    target_dir, draft_dir = llama_pair
+    full = load_target(target_dir, "float32", "cpu", batch_invariant=True)
+    ranks = [load_target(target_dir, "float32", "cpu", batch_invariant=True, tp=TPShard(r, TP)) for r in range(TP)]
+    cfg = full.config
+    x, ids = torch.randn(5, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (7,))
+    torch.testing.assert_close(sum(m.embed(ids) for m in ranks), full.embed(ids), rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([m.compute_logits(x) for m in ranks], -1), full.compute_logits(x))
+    whole, parts = full.model.layers[1], [m.model.layers[1] for m in ranks]
+    # Column-parallel qkv: rank r's rows are its q heads, then its (here: the one, replicated) kv head.
+    q, hd = cfg.num_attention_heads // TP * cfg.head_dim, cfg.head_dim
+    w = whole.self_attn.qkv_proj.weight
+    kv0 = cfg.num_attention_heads * hd
+    for r, p in enumerate(parts):
+        rows = torch.cat([w[r * q:(r + 1) * q], w[kv0:kv0 + hd], w[kv0 + hd:kv0 + 2 * hd]])
+        assert torch.equal(p.self_attn.qkv_proj.weight, rows)
+        assert p.self_attn.num_kv_heads == 1 and p.self_attn.num_heads == cfg.num_attention_heads // TP
+    # Row-parallel down_proj / o_proj: partial sums (each rank adds the whole bias after its reduce).
+    bias = whole.mlp.down_proj.bias
+    torch.testing.assert_close(sum(p.mlp(x) for p in parts) - (TP - 1) * bias, whole.mlp(x))
+    att_in = torch.randn(5, cfg.num_attention_heads * hd)
+    o_bias = whole.self_attn.o_proj.bias
+    got = sum(p.self_attn.o_proj(att_in[:, r * q:(r + 1) * q]) for r, p in enumerate(parts)) - (TP - 1) * o_bias
+    torch.testing.assert_close(got, whole.self_attn.o_proj(att_in))
+    # The draft's fc: row-parallel over the taps' columns.
+    d_full = load_draft(draft_dir, cfg, "float32", "cpu", batch_invariant=True)
+    d_ranks = [load_draft(draft_dir, cfg, "float32", "cpu", batch_invariant=True, tp=TPShard(r, TP))
+               for r in range(TP)]
+    taps = torch.randn(5, d_full.fc.in_features)
+    torch.testing.assert_close(sum(m.fc(taps) for m in d_ranks), d_full.fc(taps))
+
+
+def test_rank_config_sizes_the_kv_cache_per_rank(qwen3_dir):
+    rc = resolve(EngineConfig(model=str(qwen3_dir), device="cpu", speculative_config=None))
+    view = rank_config(rc.model_config, TP)
+    assert (view.num_attention_heads, view.num_key_value_heads, view.intermediate_size, view.vocab_size) == (
+        2, 1, 64, 150)
+    assert view.hidden_size == rc.model_config.hidden_size and rank_config(rc.model_config, 1) is rc.model_config
+    assert KVCache.bytes_per_page(view, None, 16, torch.float32) * TP == KVCache.bytes_per_page(
+        rc.model_config, None, 16, torch.float32)
+
+
+def test_step_message_round_trip():
+    plan = _core.profile_plan(40, 4, 4, 4, 4, 64, 16, 5, False)
+    n = len(plan.sample_rows)
+    st = {"greedy": np.arange(n) % 2 == 0, "temperature": np.linspace(0.5, 1, n, dtype=np.float32),
+          "top_k": np.arange(n, dtype=np.int64), "top_p": np.ones(n, np.float32), "min_p": np.zeros(n, np.float32),
+          "seed": np.arange(n, dtype=np.int64) * 7, "position": plan.positions[plan.sample_rows] + 1}
+    header, payload = pack(3, plan, st, False)
+    step = unpack(header, payload)
+    assert step.seq == 3 and not step.all_greedy and len(step.plan) == len(plan)
+    for name in ("block_rows", "num_decode", "num_rows", "draft_rows"):
+        assert getattr(step.plan, name) == getattr(plan, name)
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "page_tables",
+                 "sample_rows", "verify_target_rows", "draft_input_ids", "draft_page_tables", "state_read"):
+        a, b = getattr(plan, name), getattr(step.plan, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    for k, v in st.items():
+        assert np.array_equal(step.st[k], v), k
+
+
+def test_configurations_that_cannot_split_are_refused(qwen3_dir, random_draft_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(model=str(qwen3_dir), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        resolve(EngineConfig(model=str(qwen3_dir), device="cpu", speculative_config=spec(random_draft_dir),
+                             tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="single-process|one process"):
+        resolve(EngineConfig(model=str(qwen3_dir), device="cpu", speculative_config=None, batch_invariant=False,
+                             cpu_weights="bf16", tensor_parallel_size=TP))
+    rc = resolve(EngineConfig(model=str(qwen3_dir), device="cpu", speculative_config=None, batch_invariant=False,
+                              tensor_parallel_size=TP))
+    assert rc.cpu_weights == "none" and rc.tensor_parallel_size == TP
+    cfg = rc.model_config
+    with pytest.raises(ValueError, match="needs 2 GPUs .* but 1 are visible"):
+        check_tensor_parallel(TP, cfg, None, torch.device("cuda"), "none", device_count=1)
+    with pytest.raises(ValueError, match="vocab_size"):
+        check_tensor_parallel(TP, dataclasses.replace(cfg, vocab_size=301), None, torch.device("cpu"), "none")
+    with pytest.raises(ValueError, match="not supported yet for hybrid"):
+        check_tensor_parallel(TP, SimpleNamespace(gdn_layer_ids=[0]), None, torch.device("cpu"), "none")
+
+
+def test_cli_flag():
+    from dflash_engine.cli import build_parser
+    from dflash_engine.cli_args import engine_kwargs
+
+    args = build_parser().parse_args(["serve", "m", "-tp", "2"])
+    assert engine_kwargs(args)["tensor_parallel_size"] == 2
+    assert build_parser().parse_args(["generate", "x", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+
+
+# ---- two ranks over gloo -----------------------------------------------------------------------
+
+PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=12, max_model_len=96, num_gpu_blocks_override=8)
+
+
+@pytest.fixture(scope="module")
+def trained_reference(trained):
+    """TP = 1 under pressure: spec-off tokens, and spec-on tokens and acceptance counters."""
+    from draft_training import random_prompts
+
+    ps = [{"prompt_token_ids": p} for p in random_prompts(8, 8, seed=4321).tolist()]  # held out
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    off = tokens(LLM(model=str(trained.target), device="cpu", **PRESSURE).generate(ps, params, use_tqdm=False))
+    on = LLM(model=str(trained.target), device="cpu", speculative_config=spec(trained.draft), **PRESSURE)
+    assert tokens(on.generate(ps, params, use_tqdm=False)) == off
+    return SimpleNamespace(ps=ps, params=params, tokens=off, spec=spec_counts(on.stats()),
+                           tau=on.stats().mean_acceptance_length)
+
+
+def test_tp2_spec_on_equals_tp1_with_trained_draft_under_pressure(trained, trained_reference):
+    ref = trained_reference
+    llm = LLM(model=str(trained.target), device="cpu", speculative_config=spec(trained.draft),
+              tensor_parallel_size=TP, **PRESSURE)
+    try:
+        assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
+        st = llm.stats()
+        assert st.num_preemptions > 0 and st.mean_acceptance_length > 2.0
+        assert spec_counts(st) == ref.spec and st.mean_acceptance_length == ref.tau
+        assert one_by_one(llm, ref.ps[:3], 24) == [t[:24] for t in ref.tokens[:3]]  # c = 1
+        assert llm.engine.scheduler.num_free_pages == llm.engine.scheduler.num_usable_pages
+    finally:
+        llm.engine.close()
+
+
+def test_tp2_spec_off_equals_tp1_under_pressure(trained, trained_reference):
+    ref = trained_reference
+    llm = LLM(model=str(trained.target), device="cpu", speculative_config=None, tensor_parallel_size=TP, **PRESSURE)
+    try:
+        assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
+        assert llm.stats().num_preemptions > 0
+        assert one_by_one(llm, ref.ps[:2], 16) == [t[:16] for t in ref.tokens[:2]]  # c = 1
+    finally:
+        llm.engine.close()
+
+
+def test_tp2_llama_replicated_kv_head_biases_and_sampling(llama_pair):
+    """Llama: one kv head on two ranks, tied embeddings, biases; chunked prefill; greedy and
+    seeded sampled requests in one batch equal TP = 1's; the workers stop on garbage collection."""
+    target, draft = llama_pair
+    rng = np.random.default_rng(5)
+    ps = [{"prompt_token_ids": rng.integers(3, 250, size=int(rng.integers(3, 40))).tolist()} for _ in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_k=40, seed=10 + i, max_tokens=20, ignore_eos=True)
+              for i in range(8)]
+    kw = dict(model=str(target), device="cpu", speculative_config=spec(draft), max_num_seqs=8,
+              max_num_batched_tokens=24)
+    one = LLM(**kw)
+    ref = tokens(one.generate(ps, params, use_tqdm=False))
+    llm = LLM(**kw, tensor_parallel_size=TP)
+    assert tokens(llm.generate(ps, params, use_tqdm=False)) == ref
+    assert spec_counts(llm.stats()) == spec_counts(one.stats())
+    procs = llm.engine.executor.processes
+    del llm
+    gc.collect()
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0, "a garbage-collected engine stops its workers cleanly"
+
+
+def test_killed_worker_fails_the_engine_within_seconds(qwen3_dir):
+    from fastapi.testclient import TestClient
+
+    from dflash_engine.engine import LLMEngine
+    from dflash_engine.server import AsyncLLMEngine, build_app
+
+    engine = LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu", speculative_config=None,
+                                   tensor_parallel_size=TP, max_num_seqs=4)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        for i in range(4):
+            engine.add_request(str(i), [5 + i, 17, 33, 60], params)
+        for _ in range(3):
+            engine.step()
+        [worker] = engine.executor.processes
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 .* exited with code -9"):
+            while time.monotonic() - t0 < 30:
+                engine.step()
+        assert time.monotonic() - t0 < 5.0
+        assert engine.fatal_error is not None
+        with pytest.raises(TensorParallelError):  # and from then on, every step
+            engine.step()
+        # The server built on it: /health 503 naming the failure, new requests refused with 503.
+        with TestClient(build_app(AsyncLLMEngine(engine), "tiny")) as client:
+            health = client.get("/health")
+            assert health.status_code == 503 and "rank 1" in health.text
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2})
+            assert r.status_code == 503 and "rank 1" in r.text
+    finally:
+        engine.close()
+    assert not tp_children()
+
+
+@pytest.mark.slow
+def test_hung_worker_is_bounded_by_the_step_timeout(qwen3_dir, monkeypatch):
+    """A worker that stops answering (SIGSTOP: alive, not dead) fails the engine once a
+    collective waits DFLASH_TP_TIMEOUT_S for it; it is killed, nothing hangs."""
+    from dflash_engine.engine import LLMEngine
+
+    monkeypatch.setenv("DFLASH_TP_TIMEOUT_S", "2")
+    engine = LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu", speculative_config=None,
+                                   tensor_parallel_size=TP, max_num_seqs=2)
+    try:
+        engine.add_request("a", [5, 17, 33, 60], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        engine.step()
+        [worker] = engine.executor.processes
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="DFLASH_TP_TIMEOUT_S"):
+            while time.monotonic() - t0 < 60:
+                engine.step()
+        assert time.monotonic() - t0 < 2 + 10
+        worker.join(5)
+        assert worker.exitcode is not None
+    finally:
+        engine.close()
