@@ -21,6 +21,9 @@ layers' contribution to the residual stream small, so the target's greedy decodi
 mostly a fixed random map of the current token with some dependence on context: it falls
 into cycles of varied periods (not just repeats). Rows of a block then need different
 tokens (RoPE matters) and the draft learns to read its context (context bugs show).
+`make_learnable_hybrid_target` is the same trick on a tiny Qwen3.5 (tests/tiny_hybrid.py:
+Gated DeltaNet + gated attention layers); the product trainer takes its taps from the
+engine's own hybrid forward (dflash_engine.train.taps).
 
 `measure_acceptance` replays greedy speculative decoding with the real inference path
 (paged target + KVCache + draft.write_context/forward), without the engine.
@@ -53,6 +56,7 @@ from tiny_models import (
 from torch import Tensor
 
 import dflash_engine.train as product
+from dflash_engine.models.qwen3_5_config import is_hybrid_config
 from dflash_engine.train import Sample, TrainConfig, loss_gamma  # noqa: F401 (re-exported)
 from dflash_engine.train.dense import dense_block_forward  # noqa: F401 (re-exported)
 
@@ -62,8 +66,26 @@ LEARNABLE_TARGET: dict[str, Any] = {"initializer_range": 0.05, "rms_norm_eps": 1
 TRAIN_PROMPT_SEED = 0  # prompts of training seed s are random_prompts(..., seed=s); hold out others
 
 
+# make_tiny_qwen3_5 arguments of the hybrid twin. Its layers (random zero-centred norms, GDN)
+# move the residual stream less than Qwen3's at the same init: a larger init_range gives the
+# same profile as LEARNABLE_TARGET (greedy next token a fixed function of the current one ~93%
+# of the time; 256 random prompts end in ~60 different cycles). At 0.05 it is ~99.5% (a
+# handful of cycles: nothing to read from the context); at 0.2, ~56% (too hard for one layer).
+LEARNABLE_HYBRID_TARGET: dict[str, Any] = {"initializer_range": 0.12, "rms_norm_eps": 1.0, "seed": 1}
+HYBRID_VOCAB = 300  # tests/tiny_hybrid.py TINY_TEXT
+
+
 def make_learnable_target(path: str | Path, **overrides: Any) -> Path:
     return make_tiny_qwen3(path, **{**LEARNABLE_TARGET, **overrides})
+
+
+def make_learnable_hybrid_target(path: str | Path, **overrides: Any) -> Path:
+    """A Qwen3_5ForCausalLM directory (with the byte tokenizer) of learnable greedy continuations."""
+    from tiny_hybrid import make_tiny_qwen3_5
+
+    path, _ = make_tiny_qwen3_5(path, **{**LEARNABLE_HYBRID_TARGET, **overrides})
+    make_tiny_tokenizer(path, HYBRID_VOCAB)
+    return path
 
 
 # --------------------------------------------------------------------------- data
@@ -171,6 +193,12 @@ class _torch_state:
 def _cache_key(target_dir: Path, params: dict[str, Any]) -> str:
     h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
     recipe = sorted(Path(product.__file__).parent.glob("*.py"))  # the product trainer's package
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    if is_hybrid_config(target_cfg):
+        # A hybrid target's taps are the engine's own forward (dflash_engine.train.taps): its
+        # models and ops sources are part of the recipe too.
+        engine = Path(product.__file__).parent.parent
+        recipe += sorted((engine / "models").glob("*.py")) + sorted((engine / "ops").glob("*.py"))
     for f in [Path(__file__), Path(__file__).with_name("tiny_models.py"), *recipe,
               target_dir / "config.json", *sorted(target_dir.glob("*.safetensors"))]:
         h.update(f.read_bytes())  # the recipe's source and the target's weights

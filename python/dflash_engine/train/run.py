@@ -12,6 +12,7 @@ import torch
 
 from ..models.config import draft_config_dict
 from ..models.loader import read_config
+from ..models.qwen3_5_config import is_hybrid_config
 from .batches import Batches
 from .data import Sample, content_hash, mask_token_candidates, pick_mask_token
 from .export import atomic_torch_save, export_draft, init_weights_from
@@ -45,7 +46,9 @@ def train(target: str | Path, out_dir: str | Path, samples: Sequence[Sample], cf
             mask_candidates = mask_token_candidates(Tokenizer.from_dir(target))
         mask_token = pick_mask_token(mask_candidates, [s.ids for s in samples], tgt.config.vocab_size)
     mask_id, mask_count = mask_token
-    draft_cfg = draft_config_dict(target_cfg, num_layers=cfg.num_layers, block_size=cfg.block_size,
+    # (a hybrid target by its parsed config: its text model, whichever checkpoint layout it came in)
+    shape_of = tgt.config if is_hybrid_config(target_cfg) else target_cfg
+    draft_cfg = draft_config_dict(shape_of, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                   mask_token_id=mask_id, target_layer_ids=cfg.target_layer_ids)
     layer_ids = list(draft_cfg["dflash_config"]["target_layer_ids"])  # the default taps when not given
     trainer = DraftTrainer(tgt, draft_cfg, cfg, dev)

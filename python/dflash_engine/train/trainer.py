@@ -19,7 +19,8 @@ from torch import Tensor
 from ..models.config import DraftConfig
 from ..models.packed import to_checkpoint_state_dict
 from .batches import Batches
-from .dense import dense_block_forward, dense_target_taps
+from .dense import dense_block_forward
+from .taps import target_taps
 
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -135,7 +136,7 @@ class DraftTrainer:
             rows = list(range(start, min(start + chunk, count)))
             ids, lens = batches.padded(rows)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
-                t = dense_target_taps(self.target, ids, self.tap_layers).to(dtype)
+                t = target_taps(self.target, ids, self.tap_layers).to(dtype)
             taps += [t[i, : lens[i]].clone() for i in range(len(rows))]
         batches.taps = taps
         return count
@@ -145,7 +146,7 @@ class DraftTrainer:
         b = self.cfg.block_size
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             if taps is None:
-                taps = dense_target_taps(self.target, ids, self.tap_layers)
+                taps = target_taps(self.target, ids, self.tap_layers)
             idx = anchors[:, :, None] + torch.arange(b, device=ids.device)  # [N, A, B]
             block_ids = torch.gather(ids, 1, idx.flatten(1)).view_as(idx)
             labels = block_ids[:, :, 1:].clone()  # row k predicts x_{a+k} (same position)
