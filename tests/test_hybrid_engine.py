@@ -240,13 +240,15 @@ def test_kernel_decode_step_on_cpu_matches_the_reference(hybrid_dir, hybrid_draf
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     spec_cfg = None if draft_length is None else spec(hybrid_draft, draft_length=draft_length)
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
-    llm = LLM(model=str(hybrid_dir), device="cpu", max_num_seqs=4, speculative_config=spec_cfg)
+    llm = LLM(model=str(hybrid_dir), device="cpu", max_num_seqs=4,
+              speculative_config=spec_cfg, batch_invariant=False)
     assert llm.engine.runner.graphs, "the hybrid target gets the decode step of the graph runner"
     fast = tokens(llm.generate(ps, params, use_tqdm=False))
     assert decode_runs, "the decode step ran"
     check_pool_returned(llm)
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
-    ref = LLM(model=str(hybrid_dir), device="cpu", max_num_seqs=4, speculative_config=spec_cfg, overlap=False)
+    ref = LLM(model=str(hybrid_dir), device="cpu", max_num_seqs=4,
+              speculative_config=spec_cfg, overlap=False, batch_invariant=False)
     assert fast == tokens(ref.generate(ps, params, use_tqdm=False))
 
 

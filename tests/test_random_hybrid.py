@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from tiny_hybrid import HybridRequests
@@ -129,3 +130,30 @@ def test_27b_config_matches_published_fields():
     assert (t["linear_num_key_heads"], t["linear_num_value_heads"], t["vocab_size"]) == (16, 48, 248320)
     assert t["rope_parameters"]["partial_rotary_factor"] == 0.25 and not t["tie_word_embeddings"]
     assert set(HYBRID_SHAPES) == {"qwen3.5-27b", "qwen3.5-4b", "tiny-hybrid"}
+
+
+def test_kernel_path_serves_the_sliding_window_pair(tiny, monkeypatch):
+    """The published draft shape (4 sliding-window layers + 1 full, block 16) on the GPU path
+    under Triton's interpreter: GDN kernels, windowed attention kernels, the decode step of the
+    graph runner; contexts past the window (32). Greedy tokens equal the reference ops'."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter mode is for machines without a GPU")
+    from dflash_engine import LLM, SamplingParams
+
+    target, draft_dir, _ = tiny
+    rng = np.random.default_rng(0)
+    # One request (each interpreted kernel program costs milliseconds): a 34-token prompt, so
+    # the draft block's context runs past the window, then one verify step.
+    prompts = [{"prompt_token_ids": rng.integers(100, 5000, size=34).tolist()}]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    spec = {"method": "dflash", "model": str(draft_dir), "draft_length": "fixed"}
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+    llm = LLM(model=str(target), device="cpu", max_num_seqs=1, max_model_len=128,
+              speculative_config=spec, batch_invariant=False)
+    assert llm.engine.runner.graphs
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.stats().spec_num_drafts > 0
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    ref = LLM(model=str(target), device="cpu", max_num_seqs=1, max_model_len=128,
+              speculative_config=spec, batch_invariant=False)
+    assert fast == [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
