@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_engine.model_path import resolve_model_path
     from dflash_engine.models import load_target
     from dflash_engine.models.loader import load_draft, read_config
-    from dflash_engine.train.dense import dense_block_forward, dense_target_taps
+    from dflash_engine.train.dense import dense_block_forward
+    from dflash_engine.train.taps import target_taps
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", required=True)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.tensor([p + o])
         if len(o) < b:
             continue
-        taps = dense_target_taps(tgt, ids, taps_at)
+        taps = target_taps(tgt, ids, taps_at)
         anchors = torch.arange(len(p), ids.shape[1] - b + 1)
         blk = ids[0][anchors[:, None] + torch.arange(b)].clone()
         labels = blk[:, 1:].clone()
