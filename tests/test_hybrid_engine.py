@@ -341,3 +341,41 @@ def test_trained_hybrid_draft_accepts_equally_at_c1_and_c32(trained_hybrid):
     # is far above an untrained draft's ~1.0.
     assert one.mean_acceptance_length >= 2.2
     assert one.spec_accepted_per_pos[-1] > 0, "no fully accepted block"
+
+
+def test_16_bit_state_slots_stay_lossless_and_halve_the_state(hybrid_dir, hybrid_draft, reference, oracle_draft):
+    """`mamba_ssm_cache_dtype="bfloat16"`: the recurrent states live in bf16 slots (half the
+    bytes of float32 ones); spec-on (most drafts accepted: B-row verify blocks) still equals
+    spec-off token for token, since every row's state is rounded as a one-row step stores it."""
+    ps, _ = reference
+    kw = dict(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=8,
+              mamba_ssm_cache_dtype="bfloat16")
+    off = LLM(**kw, speculative_config=None)
+    assert off.engine.runtime_config.model_config.state_dtype == torch.bfloat16
+    assert off.engine.runner.kv.state.recurrent[0].dtype == torch.bfloat16
+    full = LLM(model=str(hybrid_dir), device="cpu", batch_invariant=True, max_num_seqs=8, speculative_config=None)
+    hc = full.engine.runtime_config.model_config
+    conv, rec = HybridState.shapes(hc)
+    saved = len(hc.gdn_layer_ids) * rec[0] * rec[1] * rec[2] * 2  # float32 -> bf16: 2 bytes less per value
+    assert (HybridState.bytes_per_slot(hc, torch.float32) - HybridState.bytes_per_slot(
+        off.engine.runtime_config.model_config, torch.float32)) == saved
+    want = tokens(off.generate(ps[:8], GREEDY, use_tqdm=False))
+    on = LLM(**kw, speculative_config=spec(hybrid_draft, num_speculative_tokens=3))
+    assert tokens(on.generate(ps[:8], GREEDY, use_tqdm=False)) == want
+    st = on.stats()
+    assert st.spec_num_accepted_tokens > st.spec_num_drafts, "multi-row verify blocks were accepted"
+    check_pool_returned(on)
+
+
+def test_state_dtype_flag_reaches_the_engine_config():
+    import argparse
+
+    from dflash_engine.cli_args import add_serve_args, engine_kwargs
+    from dflash_engine.config import EngineConfig
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    assert engine_kwargs(parser.parse_args(["--mamba-ssm-cache-dtype", "bfloat16"]))["mamba_ssm_cache_dtype"] == \
+        "bfloat16"
+    assert "mamba_ssm_cache_dtype" not in engine_kwargs(parser.parse_args([]))  # engine default: auto
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of"):
+        EngineConfig(mamba_ssm_cache_dtype="int8")

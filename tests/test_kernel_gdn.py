@@ -254,3 +254,35 @@ def test_fla_chunk_matches_twin():
     ref, ref_final = ref_rule.chunk_gated_delta_rule(*case.values(), cu, init, use_qk_l2norm=True)
     assert_close(o, ref, FLA_TOL)
     assert_close(final, ref_final, FLA_TOL)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+def test_16_bit_state_pool_rows_chain_like_steps(impl):
+    """A bf16 state pool (`mamba_ssm_cache_dtype`): a sequence's 6 rows verified in one call
+    give, bit for bit, the outputs and kept states of 6 one-row steps that chain through the
+    pool (read the slot the previous step wrote): the state is rounded to the pool's dtype
+    after every row, so verifying B rows equals decoding them one at a time."""
+    case, _, _, _, _ = make_case([6], 16, 16, seed=11)
+    pool = torch.zeros(8, H_V, 16, 16, dtype=torch.bfloat16, device=DEV)
+    pool[0] = torch.randn(H_V, 16, 16, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+
+    def run(rows, p, read, write):
+        sub = {n: x[rows] for n, x in case.items()}
+        cu = [0, len(rows)]
+        if impl == "kernel":
+            return kg.fused_recurrent_gated_delta_rule(*sub.values(), torch.tensor(cu, device=DEV), p,
+                                                       torch.tensor([read], device=DEV),
+                                                       torch.tensor(write, device=DEV))
+        return ref_rule.recurrent_gated_delta_rule(*sub.values(), cu, p, torch.tensor([read], device=DEV),
+                                                   torch.tensor(write, device=DEV), use_qk_l2norm=True)
+
+    block_pool = pool.clone()
+    block_out = run(list(range(6)), block_pool, 0, [1, 2, 3, 4, 5, 6])
+    step_pool = pool.clone()
+    step_out = torch.cat([run([t], step_pool, t, [t + 1]) for t in range(6)])
+    assert torch.equal(block_out, step_out)
+    assert torch.equal(block_pool, step_pool)
+    # float32 carried across the rows (no rounding) would differ from the chained steps
+    unrounded = pool.float().clone()
+    run(list(range(6)), unrounded, 0, [1, 2, 3, 4, 5, 6])
+    assert not torch.equal(unrounded[6].to(torch.bfloat16), step_pool[6])

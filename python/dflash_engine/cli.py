@@ -15,6 +15,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype or "auto", max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant, cpu_weights=args.cpu_weights or "auto",
         tensor_parallel_size=args.tensor_parallel_size or 1,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype or "auto",
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_args,
         add_cpu_weights_arg,
         add_serve_args,
+        add_state_dtype_arg,
         add_tensor_parallel_arg,
         speculative_config_arg,
     )
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_invariant_arg(g)
     add_cpu_weights_arg(g)
     add_tensor_parallel_arg(g)
+    add_state_dtype_arg(g)
 
     sub.add_parser("convert", help="convert a llama GGUF into a Hugging Face directory", add_help=False)
     sub.add_parser("make-random-checkpoint", add_help=False,

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from . import envs
+from .config import MAMBA_SSM_CACHE_DTYPES
 
 
 def speculative_config_arg(text: str) -> dict[str, Any] | str:
@@ -71,6 +72,13 @@ def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
                              "processes; N GPUs on CUDA, gloo on the CPU); default 1")
 
 
+def add_state_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mamba-ssm-cache-dtype", default=None, choices=list(MAMBA_SSM_CACHE_DTYPES),
+                        help="a hybrid (Qwen3.5) target's recurrent-state dtype: auto (default: the "
+                             "checkpoint's mamba_ssm_dtype, float32 when absent), float32, bfloat16, float16 "
+                             "(16-bit: half the state memory, more concurrent requests)")
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="HF-style model directory or .gguf file (default: the bundled "
@@ -110,6 +118,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_batch_invariant_arg(parser)
     add_cpu_weights_arg(parser)
     add_tensor_parallel_arg(parser)
+    add_state_dtype_arg(parser)
     parser.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
                         help="build each step's outputs after it, not while the GPU runs the next "
                              "(default: overlapped; also DFLASH_OVERLAP=0)")
@@ -122,7 +131,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                  "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
-                 "enforce_eager", "batch_invariant", "overlap", "cpu_weights", "tensor_parallel_size")
+                 "enforce_eager", "batch_invariant", "overlap", "cpu_weights", "tensor_parallel_size",
+                 "mamba_ssm_cache_dtype")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

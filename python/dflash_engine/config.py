@@ -10,6 +10,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# A hybrid target's recurrent-state dtypes (EngineConfig.mamba_ssm_cache_dtype).
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method",
               "synthetic_acceptance_length", "synthetic_acceptance_rates", "num_speculative_tokens_schedule",
               "draft_length"}
@@ -193,6 +196,10 @@ class EngineConfig:
     # Ranks the target and the draft are split over (vLLM's --tensor-parallel-size): this
     # process is rank 0 and starts ranks 1..N-1 as worker processes (distributed/). 1: no split.
     tensor_parallel_size: int = 1
+    # A hybrid (Qwen3.5) target's recurrent-state dtype (vLLM's --mamba-ssm-cache-dtype):
+    # "auto" (the checkpoint's mamba_ssm_dtype, float32 when absent), "float32", "bfloat16",
+    # "float16". A 16-bit state halves a state slot (more concurrent requests per GPU).
+    mamba_ssm_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -208,6 +215,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}, "
+                             f"got {self.mamba_ssm_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         from .cpu.weights import FORMATS

@@ -36,6 +36,7 @@ class LLM:
         overlap: bool | None = None,
         cpu_weights: str = "auto",
         tensor_parallel_size: int = 1,
+        mamba_ssm_cache_dtype: str = "auto",
     ):
         """speculative_config: "auto" (default): DFlash with the shipped draft when `model` is
         the embedded SmolLM2 (on a GPU or the CPU), off for other models; None or "none": off;
@@ -47,7 +48,8 @@ class LLM:
         cpu_weights: the fast CPU mode's GEMM weights, "auto" (default), "none", "bf16" or
         "int4" (EngineConfig.cpu_weights, cpu/weights.py).
         tensor_parallel_size: ranks the target and draft are split over (this process and N-1
-        worker processes it starts; `llm.engine.close()` stops them, as does garbage collection)."""
+        worker processes it starts; `llm.engine.close()` stops them, as does garbage collection).
+        mamba_ssm_cache_dtype: a hybrid target's recurrent-state dtype (EngineConfig)."""
         self.engine = LLMEngine(
             EngineConfig(
                 model=model, speculative_config=speculative_config, max_num_seqs=max_num_seqs,
@@ -57,6 +59,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 enforce_eager=enforce_eager, batch_invariant=batch_invariant, overlap=overlap,
                 cpu_weights=cpu_weights, tensor_parallel_size=tensor_parallel_size,
+                mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
             )
         )
         self._ids = itertools.count()

@@ -12,7 +12,7 @@ Vocabulary (one meaning per word): a *page* is KV memory (`page_size` tokens; vL
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +198,9 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
     page_size, prefix_caching = cfg.block_size, cfg.enable_prefix_caching
     if hasattr(mcfg, "gdn_layer_ids"):  # a hybrid target: one page must hold a state slot
         from .worker.state_pool import hybrid_page_size
+
+        if cfg.mamba_ssm_cache_dtype != "auto":  # the state pool's dtype (its layout reads mcfg)
+            mcfg = replace(mcfg, mamba_ssm_dtype=cfg.mamba_ssm_cache_dtype)
 
         page_size = hybrid_page_size(mcfg, dcfg, cfg.block_size, dtype)
         if page_size != cfg.block_size:

@@ -1,7 +1,8 @@
 """Gated DeltaNet kernels (Triton); twins: `dflash_engine.ops.gdn` and `ops.delta_rule`.
 
-- `fused_recurrent_gated_delta_rule`: the per-token delta rule over a slot pool of float32
-  states (decode and verification: the state after every row can be kept);
+- `fused_recurrent_gated_delta_rule`: the per-token delta rule over a slot pool of states
+  (float32, or 16-bit rounded after every row; decode and verification: the state after
+  every row can be kept);
 - `causal_conv1d`: the short depthwise causal conv + silu, continuing each sequence from its
   slot's window of the last K-1 inputs;
 - `gated_rms_norm`: RMSNorm(x) * weight * silu(gate), the GDN output norm;
@@ -45,9 +46,12 @@ def _recurrent_kernel(
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h, sp_s, sp_h, sp_k,
     scale, eps, D_K, D_V,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
+    ROUND_STATE: tl.constexpr,
 ):
     """One program: a sequence (program 0's index, or seq_ptr[it] with HAS_SEQ_IDS), a value
-    head, BV value columns. The state tile [BK, BV] stays in registers across its rows."""
+    head, BV value columns. The state tile [BK, BV] stays in registers across its rows;
+    ROUND_STATE (a pool below float32): rounded to the pool's dtype after every row, as the
+    twin does, so a row continues from what the previous row's step would have stored."""
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_SEQ_IDS:
         i_n = tl.load(seq_ptr + i_n).to(tl.int32)
@@ -79,6 +83,8 @@ def _recurrent_kernel(
         tl.store(o_ptr + t * so_t + i_h * so_h + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
         w = tl.load(write_ptr + t).to(tl.int64)
         tl.store(p_s + tl.maximum(w, 0) * sp_s, state.to(pool_ptr.dtype.element_ty), mask=tl.where(w >= 0, m_s, False))
+        if ROUND_STATE:
+            state = state.to(pool_ptr.dtype.element_ty).to(tl.float32)
 
 
 def _last_unit(t: Tensor) -> Tensor:
@@ -120,6 +126,7 @@ def fused_recurrent_gated_delta_rule(
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         scale, _L2_EPS, d_k, d_v,
         GROUP=h_v // h_k, BK=bk, BV=bv, L2NORM=use_qk_l2norm, HAS_SEQ_IDS=seq_ids is not None,
+        ROUND_STATE=state_pool.dtype != torch.float32,
         num_warps=4 if bk * bv >= 2048 else 1,
     )
     return out

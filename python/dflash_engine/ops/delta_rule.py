@@ -122,6 +122,11 @@ def recurrent_gated_delta_rule(
     where write[t] >= 0. Every initial state is read before any state is written, so a
     sequence may overwrite the slot it read. Returns o [T, H_v, d_v].
 
+    A pool of lower precision than float32 (a 16-bit `mamba_ssm_cache_dtype`): the state is
+    rounded to the pool's dtype after every row, kept or not, so the next row continues from
+    exactly what a step that stopped here would store and the next step read: a token's
+    state does not depend on how many rows its step verified (spec-on == spec-off).
+
     The sequences run side by side, padded to the longest with g = beta = 0 (a padded step
     leaves the state bit-identical); each step is elementwise products and sums over d_k,
     so a row's numbers do not depend on the other sequences of the batch."""
@@ -155,6 +160,8 @@ def recurrent_gated_delta_rule(
         keep = slots >= 0
         if bool(keep.any()):
             state_pool.index_copy_(0, slots[keep], state[keep].to(state_pool.dtype))
+        if state_pool.dtype != torch.float32:
+            state = state.to(state_pool.dtype).float()
     return out.to(v.dtype)
 
 
