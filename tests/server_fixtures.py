@@ -72,10 +72,24 @@ def tiny_model_dirs(root: Path) -> tuple[Path, Path]:
     return _dirs["target"], _dirs["draft"]
 
 
-def make_engine(root: Path, spec: bool, **overrides: Any) -> Any:
+def tiny_hybrid_dirs(root: Path) -> tuple[Path, Path]:
+    """A tiny Qwen3.5 hybrid target (GDN + attention) and an untrained draft for it."""
+    if "hybrid_target" not in _dirs:
+        from tiny_hybrid import make_tiny_hybrid_draft, make_tiny_qwen3_5
+        from tiny_models import make_tiny_tokenizer
+
+        target, _ = make_tiny_qwen3_5(root / "hybrid_target")
+        make_tiny_tokenizer(target, 300)
+        _dirs["hybrid_target"] = target
+        _dirs["hybrid_draft"] = make_tiny_hybrid_draft(root / "hybrid_draft", target, block_size=NUM_SPEC_TOKENS + 1)
+    return _dirs["hybrid_target"], _dirs["hybrid_draft"]
+
+
+def make_engine(root: Path, spec: bool, hybrid: bool = False, **overrides: Any) -> Any:
+    """hybrid: the tiny Qwen3.5 target (recurrent-state slots in the pool) instead of the tiny Qwen3."""
     from dflash_engine.engine import LLMEngine
 
-    target, draft = tiny_model_dirs(root)
+    target, draft = tiny_hybrid_dirs(root) if hybrid else tiny_model_dirs(root)
     spec_cfg = ({"method": "dflash", "model": str(draft), "num_speculative_tokens": NUM_SPEC_TOKENS}
                 if spec else None)
     kwargs = dict(model=str(target), speculative_config=spec_cfg, max_num_seqs=8,

@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import openai
+import pytest
 from server_fixtures import MODEL_NAME
 
 
@@ -61,8 +62,9 @@ def _assert_serves_and_drains(server) -> None:
     assert stats.kv_cache_usage == 0
 
 
-def test_request_fault_fails_only_that_request(fresh_server):
-    server = fresh_server()
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_request_fault_fails_only_that_request(fresh_server, model):
+    server = fresh_server(hybrid=model == "hybrid")
     server.engine.fault_injector = Faults(server.engine)
     tags = ["ok", "ok", "poison", "ok", "ok", "poison", "ok", "ok"]
     results = asyncio.run(_load(server, tags, 12))
@@ -76,8 +78,9 @@ def test_request_fault_fails_only_that_request(fresh_server):
     _assert_serves_and_drains(server)
 
 
-def test_step_fault_fails_that_step_only(fresh_server):
-    server = fresh_server()
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_step_fault_fails_that_step_only(fresh_server, model):
+    server = fresh_server(hybrid=model == "hybrid")
     server.engine.fault_injector = Faults(server.engine)
 
     async def scenario():
@@ -100,9 +103,10 @@ def test_step_fault_fails_that_step_only(fresh_server):
     _assert_serves_and_drains(server)
 
 
-def test_step_that_raises_out_of_the_engine_is_contained(fresh_server):
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_step_that_raises_out_of_the_engine_is_contained(fresh_server, model):
     """The async engine's backstop: engine.step() itself raising once."""
-    server = fresh_server()
+    server = fresh_server(hybrid=model == "hybrid")
     real_step, calls = server.engine.step, []
 
     def flaky_step():
@@ -118,8 +122,9 @@ def test_step_that_raises_out_of_the_engine_is_contained(fresh_server):
     _assert_serves_and_drains(server)
 
 
-def test_health_is_503_only_when_the_engine_cannot_serve(fresh_server):
-    server = fresh_server()
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_health_is_503_only_when_the_engine_cannot_serve(fresh_server, model):
+    server = fresh_server(hybrid=model == "hybrid")
     assert httpx.get(f"{server.url}/health").status_code == 200
 
     def broken(*_args):

@@ -458,10 +458,12 @@ def _metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-@pytest.fixture()
-def hostile_server(fresh_server, monkeypatch):
+@pytest.fixture(params=["dense", "hybrid"])
+def hostile_server(fresh_server, monkeypatch, request):
+    """The tiny Qwen3 target, or the tiny Qwen3.5 hybrid one (GDN state slots in the same pool,
+    48-token pages: its POOL_PAGES hold two full-length requests, so 8 still preempt)."""
     monkeypatch.setattr(server_fixtures, "build_app", partial(build_app, max_body_bytes=BODY_LIMIT))
-    return fresh_server(num_gpu_blocks_override=POOL_PAGES)
+    return fresh_server(num_gpu_blocks_override=POOL_PAGES, hybrid=request.param == "hybrid")
 
 
 def test_hostile_requests_among_normal_ones(hostile_server, monkeypatch):
@@ -524,11 +526,13 @@ def test_hostile_requests_among_normal_ones(hostile_server, monkeypatch):
     assert r.status_code == 200 and r.headers["x-request-id"].startswith("cmpl-")
 
 
-def test_failed_step_spares_its_innocent_requests_exactly(fresh_server):
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_failed_step_spares_its_innocent_requests_exactly(fresh_server, model):
     """A step that fails because of one request (here: any step holding the 'boom' prompt
     raises) is retried one request at a time by the engine: the culprit alone fails, and
-    every innocent request of that step finishes with exactly its output when run alone."""
-    server = fresh_server()
+    every innocent request of that step finishes with exactly its output when run alone
+    (a hybrid target too: the retried requests read their committed state slots)."""
+    server = fresh_server(hybrid=model == "hybrid")
     decode = server.engine.tokenizer.decode
 
     class Boom:

@@ -12,14 +12,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
-from tiny_hybrid import make_tiny_qwen3_5
-from tiny_models import draft_tensor_shapes, make_tiny_tokenizer
+from tiny_hybrid import make_tiny_hybrid_draft, make_tiny_qwen3_5
+from tiny_models import make_tiny_tokenizer
 
 from dflash_engine import LLM, SamplingParams
-from dflash_engine.models.config import draft_config_dict, write_draft_config
 from dflash_engine.models.hybrid_state import HybridState
-from dflash_engine.models.qwen3_5_config import HybridConfig
 from dflash_engine.worker import step as step_module
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -35,16 +32,7 @@ def hybrid_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hybrid_draft(tmp_path_factory, hybrid_dir):
     """An untrained one-layer DFlash draft (block 4) over the hybrid target's layers 1 and 2."""
-    hc = HybridConfig.from_dict(json.loads((hybrid_dir / "config.json").read_text()))
-    cfg = draft_config_dict(hc, num_layers=1, block_size=4, mask_token_id=299, target_layer_ids=[1, 2])
-    cfg.update(rope_scaling=None)
-    path = tmp_path_factory.mktemp("qwen3_5_draft")
-    write_draft_config(path, cfg)
-    gen = torch.Generator().manual_seed(0)
-    save_file({n: (1.0 + 0.2 * torch.randn(s, generator=gen)) if "norm" in n else 0.15 * torch.randn(s, generator=gen)
-               for n, s in draft_tensor_shapes(cfg, 2).items()}, str(path / "model.safetensors"))
-    make_tiny_tokenizer(path, 300)
-    return path
+    return make_tiny_hybrid_draft(tmp_path_factory.mktemp("qwen3_5_draft"), hybrid_dir, block_size=4)
 
 
 def prompts(n: int, seed: int = 0) -> list[dict]:

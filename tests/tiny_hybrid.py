@@ -51,6 +51,30 @@ def make_tiny_qwen3_5(path: str | Path, seed: int = 0, **overrides: Any):
     return Path(path), model
 
 
+def make_tiny_hybrid_draft(path: str | Path, target_dir: str | Path, block_size: int = 4) -> Path:
+    """An untrained one-layer DFlash draft over the tiny hybrid target's layers 1 and 2, with
+    the tiny tokenizer (the target's directory needs one too: tiny_models.make_tiny_tokenizer)."""
+    import json
+
+    from safetensors.torch import save_file
+    from tiny_models import draft_tensor_shapes, make_tiny_tokenizer
+
+    from dflash_engine.models.config import draft_config_dict, write_draft_config
+    from dflash_engine.models.qwen3_5_config import HybridConfig
+
+    hc = HybridConfig.from_dict(json.loads((Path(target_dir) / "config.json").read_text()))
+    cfg = draft_config_dict(hc, num_layers=1, block_size=block_size, mask_token_id=299, target_layer_ids=[1, 2])
+    cfg.update(rope_scaling=None)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_draft_config(path, cfg)
+    gen = torch.Generator().manual_seed(0)
+    save_file({n: (1.0 + 0.2 * torch.randn(s, generator=gen)) if "norm" in n else 0.15 * torch.randn(s, generator=gen)
+               for n, s in draft_tensor_shapes(cfg, 2).items()}, str(path / "model.safetensors"))
+    make_tiny_tokenizer(path, hc.vocab_size)
+    return path
+
+
 def make_tiny_qwen3_5_vl(path: str | Path, text_model) -> Path:
     """A Qwen3_5ForConditionalGeneration directory (vision tower + language model) whose
     language model carries `text_model`'s weights."""
