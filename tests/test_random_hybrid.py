@@ -157,3 +157,24 @@ def test_kernel_path_serves_the_sliding_window_pair(tiny, monkeypatch):
     ref = LLM(model=str(target), device="cpu", max_num_seqs=1, max_model_len=128,
               speculative_config=spec, batch_invariant=False)
     assert fast == [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("k", [8, 15])
+def test_tiny_pair_lossless_at_k8_and_k15(tiny, k):
+    """The published draft shape (block 16, sliding-window layers) at the issue's draft lengths:
+    spec-on == spec-off on the CPU exact mode at c = 1 and 3, contexts past the window (32),
+    a 24-token budget so prefills are chunked beside verify blocks."""
+    from dflash_engine import LLM, SamplingParams
+
+    target, draft_dir, _ = tiny
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(100, 5000, size=n).tolist()} for n in (37, 12, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kw = dict(model=str(target), device="cpu", batch_invariant=True, max_model_len=128, max_num_batched_tokens=24)
+    want = [o.outputs[0].token_ids for o in LLM(**kw, max_num_seqs=3).generate(prompts, params, use_tqdm=False)]
+    for c in (1, 3):
+        llm = LLM(**kw, max_num_seqs=c, speculative_config={"method": "dflash", "model": str(draft_dir),
+                                                            "num_speculative_tokens": k})
+        assert llm.engine.runtime_config.num_speculative_tokens == k
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        assert llm.stats().spec_num_drafts > 0
