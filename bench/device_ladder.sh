@@ -10,7 +10,8 @@
 # SHAPE (default qwen3-8b; qwen3.5-27b for the hybrid ladder of issue 19), KS (draft lengths,
 # default 15: one spec-on ladder each), MAXLEN (--max-model-len, default 8192), LONG_CONC
 # (rungs of one more spec-on ladder at --max-model-len 32768, K = the first of KS), OFF=0
-# (no spec-off ladder).
+# (no spec-off ladder), SERVE_FLAGS (more serve flags for every ladder, e.g.
+# "--mamba-ssm-cache-dtype bfloat16").
 set -o pipefail
 source bench/device_env.sh
 SHAPE=${SHAPE:-qwen3-8b}; Q=/tmp/ckpt_$SHAPE; QD=/tmp/ckpt_${SHAPE}_draft; L=/tmp/ladder_logs; mkdir -p $L
@@ -20,7 +21,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > $L
 # ladder NAME CONCURRENCIES "ENV=VALUE ..." [serve flags...]
 ladder() {
     name=$1; conc=$2; envs=$3; shift 3
-    env $envs python3 -m dflash_engine.cli serve $Q --max-num-seqs 32 --max-model-len ${MAXLEN:-8192} --port 8000 "$@" \
+    env $envs python3 -m dflash_engine.cli serve $Q --max-num-seqs 32 --max-model-len ${MAXLEN:-8192} --port 8000 \
+        ${SERVE_FLAGS:-} "$@" \
         > $L/server_$name.log 2>&1 &
     pid=$!
     for i in $(seq 1 ${START_WAIT:-120}); do curl -sf localhost:8000/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 2; done
