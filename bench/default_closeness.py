@@ -15,7 +15,9 @@ and which op makes a row's bits depend on the step it runs in.
 --e2e: bench/eval_draft.py's spec-off vs spec-on comparison on the embedded SmolLM2 with a
   draft, with ops/dispatch patched per VARIANT ("+"-joined):
   default  as shipped;
-  tile16   causal attention calls of fewer than 16 query rows use the 16-row tile geometry;
+  tile16   causal attention calls of fewer than 16 query rows use the 16-row tile geometry
+           (the patch run 27 measured; the kernel has floored its tile at 16 rows since
+           416cce3, so on that code tile16 changes nothing and `default` is the rule);
   logits   the logits from the exact GEMM (kernels/gemm.py, float32 out);
   gemm     every Linear through the exact GEMM.
 """

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from tiny_hybrid import make_tiny_hybrid_draft, make_tiny_qwen3_5
-from tiny_models import make_tiny_tokenizer
+from tiny_models import make_tiny_tokenizer, one_thread
 
 from dflash_engine import LLM, SamplingParams
 from dflash_engine.models.hybrid_state import HybridState
@@ -248,18 +248,6 @@ def test_kernel_decode_step_on_cpu_matches_the_reference(hybrid_dir, hybrid_draf
 TRAINED_BLOCK = 4
 
 
-class _one_thread:
-    """One intra-op thread: on a busy 2-core box the tiny GEMMs of oversubscribed threads
-    run an order of magnitude slower (the exact mode's bits do not depend on it)."""
-
-    def __enter__(self):
-        self.saved = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.saved)
-
-
 @pytest.fixture(scope="module")
 def trained_hybrid(tmp_path_factory):
     from types import SimpleNamespace
@@ -308,7 +296,7 @@ def test_trained_hybrid_draft_accepts_equally_at_c1_and_c32(trained_hybrid):
     ps = [{"prompt_token_ids": p} for p in random_prompts(32, 8, seed=TRAIN_PROMPT_SEED + 1).tolist()]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     target = str(trained_hybrid.target)
-    with _one_thread():
+    with one_thread():
         ref = tokens(LLM(model=target, device="cpu", batch_invariant=True, max_num_seqs=32)
                      .generate(ps, params, use_tqdm=False))
         stats = {}

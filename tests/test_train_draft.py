@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_models import IM_END_ID, draft_tensor_shapes
+from tiny_models import IM_END_ID, draft_tensor_shapes, one_thread
 
 from dflash_engine import LLM, SamplingParams
 from dflash_engine.cli import main as cli_main
@@ -34,22 +34,11 @@ def _args(target: Path, out: Path, *extra: str) -> list[str]:
             "--save-dtype", "float32", "--device", "cpu", "--gen-batch", "16", "--no-progress", *extra]
 
 
-class _one_thread:
-    """Bitwise-reproducible CPU training (the trainer's determinism is per thread count)."""
-
-    def __enter__(self):
-        self.saved = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.saved)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, qwen3_dir):
     root = tmp_path_factory.mktemp("train_draft")
     out = root / "draft"
-    with _one_thread():
+    with one_thread():
         assert cli_main(_args(qwen3_dir, out, "--steps", "30")) == 0
     report = json.loads((out / "train_report.json").read_text())
     return SimpleNamespace(root=root, out=out, report=report, target=qwen3_dir,
@@ -119,7 +108,7 @@ def test_extra_data_files_join_the_training_data(run):
     gz = run.root / "extra.jsonl.gz"
     gz.write_bytes(gzip.compress(src.read_bytes()))
     out = run.root / "with_extra"
-    with _one_thread():
+    with one_thread():
         assert cli_main(_args(run.target, out, "--steps", "2", "--data-dir", str(src.parent),
                               "--extra-data", str(gz))) == 0
     rep = json.loads((out / "train_report.json").read_text())
@@ -191,7 +180,7 @@ def test_resume_continues_exactly(run):
     """stop at step 20 of 40, --resume to 40 == 40 steps in one go (same data, from the cache)."""
     data_dir = str(run.out / "data")
     a, b = run.root / "resumed", run.root / "straight"
-    with _one_thread():
+    with one_thread():
         assert cli_main(_args(run.target, a, "--steps", "40", "--stop-at", "20", "--data-dir", data_dir)) == 0
         first = json.loads((a / "train_report.json").read_text())
         assert first["result"]["steps"] == 20 and first["data"]["cached"] is True
@@ -267,7 +256,7 @@ def test_init_from_starts_from_another_drafts_weights(run):
     of another configuration is refused by name."""
     data_dir = str(run.out / "data")
     same, longer = run.root / "init0", run.root / "init5"
-    with _one_thread():
+    with one_thread():
         assert cli_main(_args(run.target, same, "--steps", "0", "--data-dir", data_dir,
                               "--init-from", str(run.out))) == 0
         assert cli_main(_args(run.target, longer, "--steps", "5", "--eval-every", "1", "--data-dir", data_dir,

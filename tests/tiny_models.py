@@ -208,3 +208,15 @@ def make_tiny_dflash_draft(
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path / "model.safetensors"))
     make_tiny_tokenizer(path, vocab_size)
     return path
+
+
+class one_thread:
+    """One intra-op thread for the duration: the trainer's bits are per thread count, and on a
+    busy 2-core box the tiny GEMMs of oversubscribed threads run an order of magnitude slower."""
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
