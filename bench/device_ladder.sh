@@ -8,7 +8,7 @@
 # rungs with the host/device overlap off and Python's default GIL switch interval (A/B);
 # SCHED adds a spec-on ladder with a draft-length schedule; OFF_CONC limits the spec-off rungs.
 # SHAPE (default qwen3-8b; qwen3.5-27b for the hybrid ladder of issue 19), KS (draft lengths,
-# default 15: one spec-on ladder each), MAXLEN (--max-model-len, default 8192), LONG_CONC
+# default 15: one spec-on ladder each; KS="" none), MAXLEN (--max-model-len, default 8192), LONG_CONC
 # (rungs of one more spec-on ladder at --max-model-len 32768, K = the first of KS), OFF=0
 # (no spec-off ladder), SERVE_FLAGS (more serve flags for every ladder, e.g.
 # "--mamba-ssm-cache-dtype bfloat16").
@@ -34,7 +34,7 @@ ladder() {
     kill $pid; wait $pid 2>/dev/null
 }
 spec() { echo '{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": '$1', "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'; }
-KS=${KS:-15}; SPEC=$(spec ${KS%% *})
+KS=${KS-15}; SPEC=$(spec ${KS%% *})
 ALL=${CONC:-1,2,4,8,16,32}
 [ "${OFF:-1}" = 0 ] || ladder spec_off ${OFF_CONC:-$ALL} ""   # OFF_CONC=1,4: only the rungs that showed the start-up TTFT stall
 for k in $KS; do ladder spec_on_k$k $ALL "" --speculative-config "$(spec $k)"; done

@@ -178,3 +178,40 @@ def test_tiny_pair_lossless_at_k8_and_k15(tiny, k):
         assert llm.engine.runtime_config.num_speculative_tokens == k
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
         assert llm.stats().spec_num_drafts > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype, state_dtype", [("float32", "auto"), ("bfloat16", "bfloat16")])
+def test_cuda_graphs_equal_eager_and_spec_on_equals_spec_off(tiny, dtype, state_dtype):
+    """The hybrid pair on the GPU: fla prefill (default mode), GDN + windowed attention kernels,
+    the decode step in CUDA graphs. Exact mode: spec-on == spec-off token for token, graphs ==
+    eager; the default mode's agreement is printed (fla runs TF32 matmuls)."""
+    from dflash_engine import LLM, SamplingParams
+
+    target, draft_dir, _ = tiny
+    rng = np.random.default_rng(1)
+    # Prompts past the draft's window (32) and past one fla chunk (64), some short.
+    ps = [{"prompt_token_ids": rng.integers(100, 5000, size=int(n)).tolist()} for n in (5, 40, 70, 130, 9, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "dflash", "model": str(draft_dir), "draft_length": "fixed"}
+    kw = dict(model=str(target), device="cuda", dtype=dtype, max_num_seqs=4, max_model_len=256,
+              mamba_ssm_cache_dtype=state_dtype, num_gpu_blocks_override=256)
+
+    def run(**extra):
+        llm = LLM(**kw, **extra)
+        out = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        stats = llm.stats()
+        del llm
+        torch.cuda.empty_cache()
+        return out, stats
+
+    on, stats = run(speculative_config=spec, batch_invariant=True)
+    assert stats.spec_num_drafts > 0
+    off, _ = run(batch_invariant=True)
+    assert on == off, "exact mode: spec-on == spec-off on the GPU"
+    eager, _ = run(speculative_config=spec, batch_invariant=True, enforce_eager=True)
+    assert eager == on, "exact mode: graph replay == eager"
+    d_on, _ = run(speculative_config=spec, batch_invariant=False)
+    d_off, _ = run(batch_invariant=False)
+    print(f"default mode {dtype}: spec-on == spec-off for {sum(a == b for a, b in zip(d_on, d_off))}/{len(ps)}")
