@@ -16,7 +16,7 @@ set -o pipefail
 source bench/device_env.sh
 SHAPE=${SHAPE:-qwen3-8b}; Q=/tmp/ckpt_$SHAPE; QD=/tmp/ckpt_${SHAPE}_draft; L=/tmp/ladder_logs; mkdir -p $L
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > $L/smi.txt
-[ -f $Q/config.json ] || { t0=$(date +%s); timeout 300 python3 -m dflash_engine.random_checkpoint --shape $SHAPE $Q \
+[ -f $Q/config.json ] || { t0=$(date +%s); timeout 300 python3 -m dflash_engine.cli make-random-checkpoint --shape $SHAPE $Q \
     --draft $QD 2>&1 | tail -2; echo "checkpoint written in $(( $(date +%s) - t0 )) s"; }
 # ladder NAME CONCURRENCIES "ENV=VALUE ..." [serve flags...]
 ladder() {
