@@ -11,7 +11,9 @@
 # default 15: one spec-on ladder each; KS="" none), MAXLEN (--max-model-len, default 8192), LONG_CONC
 # (rungs of one more spec-on ladder at --max-model-len 32768, K = the first of KS), OFF=0
 # (no spec-off ladder), SERVE_FLAGS (more serve flags for every ladder, e.g.
-# "--mamba-ssm-cache-dtype bfloat16").
+# "--mamba-ssm-cache-dtype bfloat16"), NUM_PROMPTS / OFF_PROMPTS / LONG_PROMPTS (requests per
+# rung of the spec-on / spec-off / 32k ladders: auto, N or Kx = K x the concurrency),
+# LADDER_TIMEOUT (seconds for one ladder's client, default 240; finished rungs are kept).
 set -o pipefail
 source bench/device_env.sh
 SHAPE=${SHAPE:-qwen3-8b}; Q=/tmp/ckpt_$SHAPE; QD=/tmp/ckpt_${SHAPE}_draft; L=/tmp/ladder_logs; mkdir -p $L
@@ -27,8 +29,8 @@ ladder() {
     pid=$!
     for i in $(seq 1 ${START_WAIT:-120}); do curl -sf localhost:8000/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 2; done
     echo "== $name ($envs)"; grep -E "KV pool|memory:|state|max concurrency|decode step|SYNTHETIC|Error|hybrid" $L/server_$name.log
-    timeout ${RUNG_TIMEOUT:-240} python3 -m dflash_engine.cli bench serve --port 8000 --backend openai-chat \
-        --dataset-name random --random-input-len 1024 --random-output-len 512 --num-prompts auto \
+    timeout ${LADDER_TIMEOUT:-240} python3 -m dflash_engine.cli bench serve --port 8000 --backend openai-chat \
+        --dataset-name random --random-input-len 1024 --random-output-len 512 --num-prompts ${PROMPTS:-auto} \
         --concurrency $conc --result-dir $OUT --result-filename ladder_$name.json \
         --disable-tqdm --label "$name $envs" 2>&1 | tee $L/ladder_$name.log | tail -7
     kill $pid; wait $pid 2>/dev/null
@@ -36,10 +38,10 @@ ladder() {
 spec() { echo '{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": '$1', "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'; }
 KS=${KS-15}; SPEC=$(spec ${KS%% *})
 ALL=${CONC:-1,2,4,8,16,32}
-[ "${OFF:-1}" = 0 ] || ladder spec_off ${OFF_CONC:-$ALL} ""   # OFF_CONC=1,4: only the rungs that showed the start-up TTFT stall
-for k in $KS; do ladder spec_on_k$k $ALL "" --speculative-config "$(spec $k)"; done
+[ "${OFF:-1}" = 0 ] || PROMPTS=${OFF_PROMPTS:-auto} ladder spec_off ${OFF_CONC:-$ALL} ""   # OFF_CONC=1,4: only the rungs that showed the start-up TTFT stall
+for k in $KS; do PROMPTS=${NUM_PROMPTS:-auto} ladder spec_on_k$k $ALL "" --speculative-config "$(spec $k)"; done
 if [ -n "${LONG_CONC:-}" ]; then
-    MAXLEN=32768 ladder spec_on_32k $LONG_CONC "" --speculative-config "$SPEC"
+    MAXLEN=32768 PROMPTS=${LONG_PROMPTS:-auto} ladder spec_on_32k $LONG_CONC "" --speculative-config "$SPEC"
 fi
 if [ -n "${SCHED:-}" ]; then   # the draft-length schedule, e.g. SCHED='[[4, 15], [8, 11], [16, 7], [32, 5]]'
     ladder spec_on_sched $ALL "" --speculative-config "${SPEC%\}}, \"num_speculative_tokens_schedule\": $SCHED}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from dflash_engine import bench_serve
 from dflash_engine.cli_args import add_bench_args
 
@@ -46,6 +48,22 @@ def test_auto_prompt_counts_follow_the_ladder_rule(spec_on_server, tmp_path):
                  "--random-input-len", "8", "--random-output-len", "2")
     assert bench_serve.main(args) == 0
     assert [r["ok"] for r in _read(tmp_path)["rungs"]] == [8, 16]
+
+
+def test_per_seat_prompt_counts_and_the_rung_lines_as_they_end(spec_on_server, tmp_path, capsys):
+    """--num-prompts 2x: two waves of each rung's concurrency; with --disable-tqdm each rung's
+    line is printed when the rung ends (a killed ladder keeps its finished rungs in the JSON)."""
+    assert [bench_serve.rung_prompts("2x", c) for c in (1, 3, 32)] == [2, 6, 64]
+    args = _args(spec_on_server, tmp_path, "--concurrency", "1,3", "--num-prompts", "2x",
+                 "--random-input-len", "8", "--random-output-len", "2")
+    assert bench_serve.main(args) == 0
+    assert [r["ok"] for r in _read(tmp_path)["rungs"]] == [2, 6]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["conc", "status"] and lines[1].split()[:2] == ["1", "OK"]
+    assert lines[2].split()[:2] == ["3", "OK"]
+    for bad in ("0x", "x", "-2", "two"):
+        with pytest.raises(SystemExit):
+            _args(spec_on_server, tmp_path, "--num-prompts", bad)
 
 
 def test_humaneval_chat(fresh_server, tmp_path):

@@ -16,6 +16,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,10 +273,12 @@ def _plot(result: dict, path: Path) -> None:
 
 
 def rung_prompts(num_prompts: int | str, concurrency: int) -> int:
-    """Requests sent at one rung: a fixed number, or "auto": 8 below c=4, 4c from c=4 on
-    (every rung then runs several waves of its concurrency)."""
+    """Requests sent at one rung: a fixed number, "Kx" (K waves: K x the concurrency), or
+    "auto": 8 below c=4, 4c from c=4 on (every rung then runs several waves of its concurrency)."""
     if num_prompts == "auto":
         return 8 if concurrency < 4 else 4 * concurrency
+    if isinstance(num_prompts, str) and num_prompts.endswith("x"):
+        return int(num_prompts[:-1]) * concurrency
     return int(num_prompts)
 
 
@@ -284,7 +287,8 @@ def _base_url(args: argparse.Namespace) -> str:
     return base.removesuffix("/v1")
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace, on_rung: Callable[[dict], None] | None = None) -> dict:
+    """The ladder; `on_rung(partial_result)` after each rung (a killed run keeps what it measured)."""
     from tqdm import tqdm
 
     base = _base_url(args)
@@ -331,43 +335,63 @@ async def run(args: argparse.Namespace) -> dict:
             rungs.append(_summarize(c, results, duration, _tau(before, after), _step_idle(before, after)))
             if after and after["synthetic"]:
                 rungs[-1]["acceptance"] = "synthetic"
+            if on_rung is not None:
+                on_rung(_result(args, model, base, max_tokens, ignore_eos, rungs))
         bar.close()
+    return _result(args, model, base, max_tokens, ignore_eos, rungs)
 
+
+def _result(args: argparse.Namespace, model: str, base: str, max_tokens: int, ignore_eos: bool,
+            rungs: list[dict]) -> dict:
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
     config.update(model=model, base_url=base, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return {"config": config, "rungs": rungs}
+    return {"config": config, "rungs": list(rungs)}
 
 
 def _max_tokens_field(chat: bool, n: int) -> dict[str, int]:
     return {"max_completion_tokens": n} if chat else {"max_tokens": n}
 
 
-def _print_table(result: dict) -> None:
+TABLE_HEADER = (f"{'conc':>5} {'status':>6} {'ok/fail':>8} {'out tok/s':>10} {'tot tok/s':>10} "
+                f"{'TTFT ms':>9} {'p99 TTFT':>9} {'TPOT ms':>8} {'p99 TPOT':>8} {'ITL ms':>8} {'tau':>5} "
+                f"{'idle ms/step':>12} {'idle %':>6}")
+
+
+def _rung_line(r: dict) -> str:
     def f(x: Any, spec: str = ".1f") -> str:
         return "-" if x is None else format(x, spec)
 
-    print(f"{'conc':>5} {'status':>6} {'ok/fail':>8} {'out tok/s':>10} {'tot tok/s':>10} "
-          f"{'TTFT ms':>9} {'p99 TTFT':>9} {'TPOT ms':>8} {'p99 TPOT':>8} {'ITL ms':>8} {'tau':>5} "
-          f"{'idle ms/step':>12} {'idle %':>6}")
+    line = f"{r['concurrency']:>5} {r['status']:>6} {r['ok']:>4}/{r['failed']:<3}"
+    if r["status"] == "VOID":
+        return f"{line} {r['error']}"
+    return (f"{line} {f(r['output_throughput']):>10} {f(r['total_token_throughput']):>10} "
+            f"{f(r['mean_ttft_ms']):>9} {f(r['p99_ttft_ms']):>9} {f(r['mean_tpot_ms']):>8} {f(r['p99_tpot_ms']):>8} "
+            f"{f(r['mean_itl_ms']):>8} {f(r['tau'], '.2f'):>5} "
+            f"{f(r['idle_ms_per_step'], '.2f'):>12} {f(r['idle_pct']):>6}"
+            + ("  SYNTHETIC acceptance" if r.get("acceptance") == "synthetic" else ""))
+
+
+def _print_table(result: dict) -> None:
+    print(TABLE_HEADER)
     for r in result["rungs"]:
-        line = f"{r['concurrency']:>5} {r['status']:>6} {r['ok']:>4}/{r['failed']:<3}"
-        if r["status"] == "VOID":
-            print(f"{line} {r['error']}")
-            continue
-        print(f"{line} {f(r['output_throughput']):>10} {f(r['total_token_throughput']):>10} "
-              f"{f(r['mean_ttft_ms']):>9} {f(r['p99_ttft_ms']):>9} {f(r['mean_tpot_ms']):>8} {f(r['p99_tpot_ms']):>8} "
-              f"{f(r['mean_itl_ms']):>8} {f(r['tau'], '.2f'):>5} "
-              f"{f(r['idle_ms_per_step'], '.2f'):>12} {f(r['idle_pct']):>6}"
-              + ("  SYNTHETIC acceptance" if r.get("acceptance") == "synthetic" else ""))
+        print(_rung_line(r))
 
 
 def main(args: argparse.Namespace) -> int:
-    result = asyncio.run(run(args))
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = Path(args.result_filename).stem if args.result_filename else (
         f"bench-{args.backend}-{args.dataset_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
+
+    def on_rung(partial: dict) -> None:  # the JSON so far, and the rung's line as it ends
+        json_path.write_text(json.dumps(partial, indent=2))
+        if args.disable_tqdm:
+            if len(partial["rungs"]) == 1:
+                print(TABLE_HEADER)
+            print(_rung_line(partial["rungs"][-1]), flush=True)
+
+    result = asyncio.run(run(args, on_rung))
     json_path.write_text(json.dumps(result, indent=2))
     _plot(result, png_path)
     _print_table(result)

@@ -144,12 +144,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _num_prompts(value: str) -> int | str:
+    """N requests per rung, 'auto', or 'Kx' (K x the rung's concurrency)."""
     if value == "auto":
         return value
-    n = int(value)
+    per_seat = value.endswith("x")
+    try:
+        n = int(value[:-1] if per_seat else value)
+    except ValueError:
+        n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError("--num-prompts must be >= 1 or 'auto'")
-    return n
+        raise argparse.ArgumentTypeError(f"--num-prompts must be >= 1, 'auto' or 'Kx' (K >= 1), got {value!r}")
+    return f"{n}x" if per_seat else n
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -168,7 +173,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--random-output-len", type=int, default=512)
     parser.add_argument("--humaneval-output-len", type=int, default=512)
     parser.add_argument("--num-prompts", type=_num_prompts, default=64,
-                        help="requests per rung, or 'auto': 8 below concurrency 4, 4 x concurrency from 4 on")
+                        help="requests per rung: N, 'Kx' (K x the rung's concurrency), or 'auto': 8 below "
+                             "concurrency 4, 4 x concurrency from 4 on")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32],
                         help="comma-separated concurrency ladder")
     parser.add_argument("--temperature", type=float, default=0.0)
