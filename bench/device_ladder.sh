@@ -26,9 +26,9 @@ ladder() {
     env $envs python3 -m dflash_engine.cli serve $Q --max-num-seqs 32 --max-model-len ${MAXLEN:-8192} --port 8000 \
         ${SERVE_FLAGS:-} "$@" \
         > $L/server_$name.log 2>&1 &
-    pid=$!
+    pid=$!; t0=$(date +%s)
     for i in $(seq 1 ${START_WAIT:-120}); do curl -sf localhost:8000/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 2; done
-    echo "== $name ($envs)"; grep -E "KV pool|memory:|state|max concurrency|decode step|SYNTHETIC|Error|hybrid" $L/server_$name.log
+    echo "== $name ($envs): server up in $(( $(date +%s) - t0 )) s"; grep -E "KV pool|memory:|state|max concurrency|decode step|SYNTHETIC|Error|hybrid" $L/server_$name.log
     timeout ${LADDER_TIMEOUT:-240} python3 -m dflash_engine.cli bench serve --port 8000 --backend openai-chat \
         --dataset-name random --random-input-len 1024 --random-output-len 512 --num-prompts ${PROMPTS:-auto} \
         --concurrency $conc --result-dir $OUT --result-filename ladder_$name.json \
