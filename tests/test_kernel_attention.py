@@ -154,6 +154,14 @@ def test_paged_attention_head_dims_and_page_sizes(head_dim, page_size):
                   page_size=page_size, n_kv=1, group=2, seed=head_dim)
 
 
+def test_combine_slices_a_wide_tile_qwen3_5_27b_geometry():
+    """GQA group 6 x head_dim 256 (Qwen3.5-27B): a 16-row verify tile holds 96 packed rows;
+    the split combine works in 32-row x 64-dim slices (a decode row's tile: one slice of
+    rows). Both equal the reference."""
+    run_and_check([16, 1, 0], [40, 23, 0], causal=True, num_splits=3, n_kv=1, group=6, head_dim=256,
+                  page_size=16)
+
+
 def test_paged_attention_strided_q_and_default_out():
     q, k_cache, v_cache, meta = make_case([3, 6], [10, 40], n_kv=2, group=2, head_dim=32,
                                           page_size=8, dtype=torch.float32, causal=True)

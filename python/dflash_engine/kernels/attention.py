@@ -365,6 +365,11 @@ def _paged_attention_kernel(
 
 # Tiles hold at most this many packed (query row x GQA head) rows.
 _MAX_BLOCK_M = 128
+# The combine's slice of a tile: packed rows x head dims per program (attention_splits.py).
+# Whole tiles (up to 128 x 256 fp32) spilled: the Qwen3.5-27B shape's combine took 327 us a
+# launch at c = 1 on the H200 (run 30), 22% of the step.
+COMBINE_SUB_M = 32
+COMBINE_BLOCK_D = 64
 # The default mode's smallest tile, in query rows: decode (1 row) and verify blocks (up to 16
 # rows: K <= 15) share one geometry, so speculation does not change a decode row's bits.
 DECODE_TILE_ROWS = 16
@@ -507,12 +512,13 @@ def paged_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:  # (with one split every row was final in the main kernel)
-        _combine_splits_kernel[grid[:2]](
+        sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
+        _combine_splits_kernel[(grid[0], n_kv * (block_m // sub_m), head_dim // block_d)](
             out, part_o, part_lse, query_start_loc, seq_lens,
             num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
             PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed, SPLIT_TILES=split_tiles,
-            num_warps=4,
+            SUB_M=sub_m, BLOCK_D=block_d, num_warps=4,
         )
     return out
 

@@ -81,29 +81,38 @@ def _combine_splits_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-    SPLIT_TILES: tl.constexpr,
+    SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row).
     SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
     span, in ascending order, so its result does not depend on its query block's extent.
     By count, a split that saw none of a row's keys (before its window, after its causal
-    end) holds lse = -inf and weighs 0."""
+    end) holds lse = -inf and weighs 0.
+
+    Grid (request x query block, KV head x SUB_M-row slice of the tile, BLOCK_D-wide slice of
+    head_dim): each output element's sum over splits runs in the same order whatever the
+    slicing, so the slices change no bit; they keep the fp32 accumulator small (a whole
+    128 x 256 tile spills) and give a lone request's few (KV head) tiles many programs."""
     pid_rq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    n_sub: tl.constexpr = BLOCK_M // SUB_M
+    kv_head = tl.program_id(1) // n_sub
+    sub = tl.program_id(1) % n_sub
+    n_kv = tl.num_programs(1) // n_sub
     req = pid_rq // num_q_blocks
     row0 = (pid_rq % num_q_blocks) * BLOCK_Q
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
-    if row0 >= q_len:
+    # Nothing to do past the request's rows or the tile's packed rows.
+    if (row0 + (sub * SUB_M) // GROUP >= q_len) | (sub * SUB_M >= BLOCK_Q * GROUP):
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m = sub * SUB_M + tl.arange(0, SUB_M)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     row = row0 + offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
     row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
     tok = (q_start + row).to(tl.int64)
-    pidx0 = tok * (tl.num_programs(1) * GROUP) + head  # the block's first partial of each packed row
-    split_stride = part_rows.to(tl.int64) * (tl.num_programs(1) * GROUP)
+    pidx0 = tok * (n_kv * GROUP) + head  # the block's first partial of each packed row
+    split_stride = part_rows.to(tl.int64) * (n_kv * GROUP)
     if SPLIT_TILES > 0:
         seq_len = tl.load(seq_lens_ptr + req)
         first, row_splits = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
@@ -116,13 +125,13 @@ def _combine_splits_kernel(
         row_splits = tl.where(row_ok, num_splits, 0)
         n_loop = num_splits
 
-    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    lse_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
     for s in range(n_loop):
         lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse)
     lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    total = tl.zeros([SUB_M], dtype=tl.float32)
+    acc = tl.zeros([SUB_M, BLOCK_D], dtype=tl.float32)
     for s in range(n_loop):
         use = s < row_splits
         pidx = s * split_stride + pidx0
