@@ -117,6 +117,36 @@ def test_norm_chunked_rows(dtype, monkeypatch):
     assert_close(y, ref_y, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_zero_centred_norm_is_qwen3_5s(dtype, chunked, monkeypatch):
+    """zero_centred=True: transformers' Qwen3_5RMSNorm ((1 + w) on the float32 value, one
+    rounding), plain and fused with the residual add, one-tile and chunked rows; not the
+    Llama norm (which rounds before the weight)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    if chunked:
+        monkeypatch.setattr(k_norm, "_MAX_SINGLE_TILE", 64)
+        monkeypatch.setattr(k_norm, "_CHUNK", 64)
+    g = gen(5)
+    x = randn(6, 3, 160, g=g, dtype=dtype, scale=2.0)
+    res = randn(6, 3, 160, g=g, dtype=dtype)
+    hf = Qwen3_5RMSNorm(160, eps=EPS).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(randn(160, g=g, dtype=dtype, scale=0.1))
+        ref = hf(x)
+        ref_fused = hf(x + res)
+    w = hf.weight.detach()
+    assert torch.equal(r_norm.zero_centred_rms_norm(x, w, EPS), ref)  # the twin is transformers' formula
+    got = k_norm.rms_norm(x, w, EPS, zero_centred=True)
+    assert_close(got, ref, dtype)
+    y, r = k_norm.add_rms_norm(x, res, w, EPS, zero_centred=True)
+    assert torch.equal(r, x + res)
+    assert_close(y, ref_fused, dtype)
+    if dtype == torch.bfloat16:  # the flag matters: the Llama order differs somewhere
+        assert not torch.equal(k_norm.rms_norm(x, 1.0 + w.float(), EPS).to(dtype), got)
+
+
 # ---------------------------------------------------------------- q/k norm + RoPE
 
 ROPE_SHAPES = [  # (T, H, KV, D)

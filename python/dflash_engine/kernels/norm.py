@@ -5,6 +5,9 @@ input dtype, then multiplied by the weight (in float32, one rounding to the outp
 which is what torch does for a bf16 x bf16 product). The residual sum is rounded to the
 input dtype before the norm reads it, as in the unfused layer.
 
+`zero_centred=True` is Qwen3.5's norm (transformers' Qwen3_5RMSNorm): the weight applied as
+(1 + weight) to the float32 normalised value, one rounding at the end.
+
 One program per row. A row of up to `_MAX_SINGLE_TILE` elements is read once (one tile);
 longer rows are read twice in chunks (statistics, then normalise).
 """
@@ -23,7 +26,7 @@ _CHUNK = 4096
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
     n_cols, stride_x, stride_res, stride_y, stride_res_out, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ZERO_CENTRED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -43,8 +46,12 @@ def _rms_norm_kernel(
             in_ty = res_out_ptr.dtype.element_ty
         var = tl.sum(x * x, axis=0) / n_cols
         rstd = tl.rsqrt(var + eps)
-        normed = (x * rstd).to(in_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTRED:
+            normed = x * rstd
+            w = 1.0 + w
+        else:
+            normed = (x * rstd).to(in_ty).to(tl.float32)
         tl.store(y_row + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
     else:
         # Pass 1 only reads, pass 2 re-reads and writes: safe when res_out aliases residual.
@@ -70,8 +77,12 @@ def _rms_norm_kernel(
                 tl.store(res_out_row + cols, s, mask=mask)
                 x = s.to(tl.float32)
                 ty = res_out_ptr.dtype.element_ty
-            normed = (x * rstd).to(ty).to(tl.float32)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if ZERO_CENTRED:
+                normed = x * rstd
+                w = 1.0 + w
+            else:
+                normed = (x * rstd).to(ty).to(tl.float32)
             tl.store(y_row + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -82,15 +93,17 @@ def _rows(t: Tensor, n: int) -> Tensor:
 
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
-            out: Tensor | None, residual_out: Tensor | None) -> tuple[Tensor, Tensor | None]:
+            out: Tensor | None, residual_out: Tensor | None,
+            zero_centred: bool = False) -> tuple[Tensor, Tensor | None]:
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {n}")
     weight = weight.contiguous()
     x2 = _rows(x, n)
     rows = x2.shape[0]
-    if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if out is None:  # (the zero-centred norm returns x's dtype, as transformers' does)
+        dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
     y2 = out.view(-1, n)
     if residual is not None:
         if residual.shape != x.shape:
@@ -113,25 +126,26 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     _rms_norm_kernel[(rows,)](
         x2, r2, weight, y2, ro2,
         n, x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=chunks, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=chunks, ZERO_CENTRED=zero_centred,
+        num_warps=num_warps,
     )
     return out, residual_out
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None, zero_centred: bool = False) -> Tensor:
     """x [..., N] -> weight * normalise(x), shaped like x (`out`: contiguous, same shape)."""
-    return _launch(x, None, weight, eps, out, None)[0]
+    return _launch(x, None, weight, eps, out, None, zero_centred)[0]
 
 
 def add_rms_norm(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-    out: Tensor | None = None, residual_out: Tensor | None = None,
+    out: Tensor | None = None, residual_out: Tensor | None = None, zero_centred: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """-> (rms_norm(x + residual), x + residual).
 
     `residual_out` may be `residual` itself (in-place update of the residual stream);
     `out` and `residual_out` must be contiguous and shaped like x.
     """
-    y, r = _launch(x, residual, weight, eps, out, residual_out)
+    y, r = _launch(x, residual, weight, eps, out, residual_out, zero_centred)
     assert r is not None
     return y, r

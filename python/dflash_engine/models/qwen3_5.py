@@ -47,9 +47,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return dispatch.zero_centred_rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -160,8 +158,9 @@ class HybridDecoderLayer(nn.Module):
         """cache: (conv pool, state pool) of a GDN layer; (K cache, V cache) of an attention layer."""
         h = self.input_layernorm(x)
         h = self.linear_attn(h, step, *cache) if self.is_gdn else self.self_attn(h, step, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        norm = self.post_attention_layernorm
+        h, x = dispatch.add_zero_centred_rms_norm(h, x, norm.weight, norm.eps)  # x + h, then its norm
+        return x + self.mlp(h)
 
 
 class Qwen3_5ForCausalLM(CausalLM):

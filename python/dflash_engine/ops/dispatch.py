@@ -72,6 +72,25 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return _norm.add_rms_norm(x, residual, weight, eps)
 
 
+def zero_centred_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3.5's norm: (1 + weight) * normalise(x), in float32, rounded once."""
+    if use_kernels(x):
+        from ..kernels import norm
+
+        return norm.rms_norm(x, weight, eps, zero_centred=True)
+    return _norm.zero_centred_rms_norm(x, weight, eps)
+
+
+def add_zero_centred_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(zero_centred_rms_norm(x + residual), x + residual), the sum rounded to x's dtype first."""
+    if use_kernels(x):
+        from ..kernels import norm
+
+        return norm.add_rms_norm(x, residual, weight, eps, zero_centred=True)
+    new_residual = x + residual
+    return _norm.zero_centred_rms_norm(new_residual, weight, eps), new_residual
+
+
 def qk_norm_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: Tensor, sin: Tensor,
                  q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float
                  ) -> tuple[Tensor, Tensor, Tensor]:

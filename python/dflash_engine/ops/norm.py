@@ -12,6 +12,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x.to(input_dtype)
 
 
+def zero_centred_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3.5's RMSNorm (transformers' Qwen3_5RMSNorm): statistics and the (1 + weight)
+    scale in float32, one rounding to x's dtype at the end."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
