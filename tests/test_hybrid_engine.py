@@ -355,3 +355,13 @@ def test_state_dtype_flag_reaches_the_engine_config():
     assert "mamba_ssm_cache_dtype" not in engine_kwargs(parser.parse_args([]))  # engine default: auto
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of"):
         EngineConfig(mamba_ssm_cache_dtype="int8")
+
+
+def test_startup_report_says_prefix_caching_is_off_for_a_hybrid(hybrid_dir):
+    """A hybrid target turns the requested prefix cache off; `serve`'s first line says so
+    (it printed "on" from the request in run 30)."""
+    from dflash_engine.server.api_server import _startup_report
+
+    llm = LLM(model=str(hybrid_dir), device="cpu", max_num_seqs=2, enable_prefix_caching=True)
+    assert not llm.engine.runtime_config.enable_prefix_caching
+    assert "prefix caching: off (not supported for hybrid targets)" in _startup_report(llm.engine)[0]

@@ -67,6 +67,13 @@ def build_app(
     return app
 
 
+def _prefix_caching(engine: LLMEngine) -> str:
+    """on / off, as the engine runs it (a hybrid target turns a requested cache off)."""
+    if engine.runtime_config.enable_prefix_caching:
+        return "on"
+    return "off (not supported for hybrid targets)" if engine.config.enable_prefix_caching else "off"
+
+
 def _startup_report(engine: LLMEngine) -> list[str]:
     """What `serve` prints before it listens: the model and speculation, the KV pool (pages x
     tokens, GiB, what sized it), the memory budget behind it (CUDA: the profile step), the
@@ -74,7 +81,7 @@ def _startup_report(engine: LLMEngine) -> list[str]:
     spec = engine.config.speculative_config
     lines = [f"model: {engine.model_path}  max_model_len: {engine.max_model_len}  speculative: "
              + (f"dflash draft {spec.model}, {engine.num_speculative_tokens} tokens" if spec else "off")
-             + f"  prefix caching: {'on' if engine.config.enable_prefix_caching else 'off'}"]
+             + f"  prefix caching: {_prefix_caching(engine)}"]
     lines += engine.runner.memory.lines()
     runners = engine.runner.graphs  # one decode-graph runner per verify block B; none on CPU
     if runners and all(g.enforce_eager for g in runners.values()):
