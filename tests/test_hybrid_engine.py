@@ -163,30 +163,33 @@ def test_state_slots_are_pages_of_the_kv_pool(hybrid_dir, hybrid_draft):
     # One page of KV (target + draft, every layer) holds one slot of state (every GDN layer).
     per_slot = HybridState.bytes_per_slot(cfg, rc.dtype)
     assert mem.state_bytes_per_slot == runner.state_layout.bytes_per_slot == per_slot <= mem.bytes_per_page
-    # The state is views into the KV tensors: allocated bytes are the pool's, and the slots'
-    # bytes are what was planned, inside each page, never overlapping.
+    # One flat byte buffer behind every K/V tensor and every state component: allocated bytes
+    # are the pool's; the slots' bytes are what was planned, inside each page, never overlapping,
+    # and packed (the padding is under one 16-token page of KV bytes).
+    flat = kv.flat
+    assert flat is not None and flat.dtype == torch.uint8
+    assert flat.numel() == mem.kv_bytes == mem.num_pages * mem.bytes_per_page
     tensors = [t for pair in kv.target + kv.draft for t in pair]
-    allocated = sum(t.numel() * t.element_size() for t in tensors)
-    assert allocated == mem.kv_bytes == mem.num_pages * mem.bytes_per_page
     views = kv.state.conv + kv.state.recurrent
+    for t in tensors + views:
+        assert t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert t.shape[0] == mem.num_pages and t.stride(0) * t.element_size() == mem.bytes_per_page
     assert sum(v[0].numel() * v.element_size() for v in views) == per_slot
-    assert all(v.shape[0] == mem.num_pages for v in views)
-    spans = []
-    for v in views:
-        base = next(t for t in tensors if t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr())
-        page = base[0].numel() * base.element_size()
-        start = v.storage_offset() * v.element_size() - base.storage_offset() * base.element_size()
-        assert v.stride(0) * v.element_size() == page and 0 <= start and start + v[0].numel() * v.element_size() <= page
-        spans.append((base.untyped_storage().data_ptr(), start, start + v[0].numel() * v.element_size()))
-    spans.sort()
-    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:])), "state components overlap"
-    # Writing slot 5's state writes page 5 of the KV tensors and nothing else.
-    before = [t.clone() for t in tensors]
+    assert mem.bytes_per_page - per_slot < mem.bytes_per_page // (rc.page_size // 16)
+    spans = sorted((v.storage_offset() * v.element_size(), v.storage_offset() * v.element_size()
+                    + v[0].numel() * v.element_size()) for v in views)
+    assert spans[0][0] >= 0 and spans[-1][1] <= mem.bytes_per_page
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "state components overlap"
+    # K/V chunks tile the page in order, without overlap.
+    chunks = sorted((t.storage_offset() * t.element_size(), t[0].numel() * t.element_size()) for t in tensors)
+    assert [a for a, _ in chunks] == [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    assert sum(n for _, n in chunks) == mem.bytes_per_page
+    # Writing slot 5's state writes page 5 of the pool and nothing else.
+    before = flat.clone()
     for v in views:
         v[5].fill_(1.0)
-    for t, b in zip(tensors, before):
-        changed = (t != b).flatten(1).any(1).nonzero().flatten().tolist()
-        assert changed in ([], [5])
+    changed = (flat != before).any(1).nonzero().flatten().tolist()
+    assert changed == [5]
     # The startup report names the slots, their bytes, and the concurrency they allow.
     text = "\n".join(mem.lines())
     assert "state slots" in text and f"{mem.state_slots_per_seq} slots" in text and mem.state_slots_per_seq == 5

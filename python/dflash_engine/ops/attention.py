@@ -67,11 +67,23 @@ def _window_mask(q_pos: Tensor, k_pos: Tensor, causal: bool, window: int | None)
     return mask
 
 
+def _rows_view(cache: Tensor) -> Tensor | None:
+    """The cache as [num_pages * page_size, n_kv, head_dim] without a copy, or None when its
+    pages are strided apart (a hybrid target's flat pool: KVCache.allocate(flat=True))."""
+    if cache.stride(0) != cache.shape[1] * cache.stride(1):
+        return None
+    return cache.view(-1, *cache.shape[2:])
+
+
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Scatter rows k, v [T, n_kv, head_dim] into caches [num_pages, page_size, n_kv, head_dim]."""
-    n_kv, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = _rows_view(cache)
+        if rows is not None:
+            rows.index_copy_(0, slot_mapping, x.to(cache.dtype))
+        else:
+            page_size = cache.shape[1]
+            cache[slot_mapping // page_size, slot_mapping % page_size] = x.to(cache.dtype)
 
 
 def gather_kv(cache: Tensor, page_table: Tensor, seq_len: int, first: int = 0) -> Tensor:
@@ -164,7 +176,9 @@ def paged_attention_sdpa(
     indices and masks built once per step. Not bit-identical to the reference loop (nor
     batch-invariant by contract): the exact mode uses `paged_attention`."""
     n_kv, head_dim = k_cache.shape[-2:]
-    kf, vf = k_cache.view(-1, n_kv, head_dim), v_cache.view(-1, n_kv, head_dim)
+    kf, vf = _rows_view(k_cache), _rows_view(v_cache)
+    if kf is None or vf is None:
+        raise ValueError("the fast CPU attention needs page-contiguous K/V caches (not a hybrid's flat pool)")
     plan = _sdpa_plan(meta, k_cache.shape[1], q.device, window)
     out = torch.empty_like(q) if len(plan) != 1 or plan[0][1] - plan[0][0] != q.shape[0] else None
     for start, end, slots, mask in plan:

@@ -3,7 +3,8 @@
 Draft layers use the same page ids and slot mapping as the target, so the draft context of a
 request is always exactly the target's committed positions. Page 0 is the null page.
 A hybrid target has KV for its attention layers only; its GDN layers' state slots are views
-into the same pages (`state`, set by state_pool.state_views).
+into the same pages (`state`, set by state_pool.state_views), so its pool is one flat byte
+buffer (`flat`, [num_pages, bytes_per_page]) and every K/V tensor a strided view into it.
 """
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ class KVCache:
         draft: list[tuple[Tensor, Tensor]],
         num_pages: int,
         page_size: int,
+        flat: Tensor | None = None,
     ):
         self.target = target
         self.draft = draft
         self.num_pages = num_pages
         self.page_size = page_size
+        self.flat = flat  # the one buffer behind every tensor above (flat allocation), else None
         self.state = None  # a hybrid target's HybridState: views into these pages (state_pool.py)
 
     @staticmethod
@@ -57,11 +60,30 @@ class KVCache:
         page_size: int,
         dtype: torch.dtype | str,
         device: torch.device | str = "cpu",
+        flat: bool = False,
     ) -> KVCache:
+        """Zeroed pages. `flat`: one [num_pages, bytes_per_page] byte buffer whose page rows
+        hold each K/V tensor's page one after the other (tensors are strided views; what a
+        hybrid target's state slots need, state_pool.py); else one tensor per K and V."""
         if num_pages < 2:
             raise ValueError(f"KV cache needs at least 2 pages (page 0 is the null page), got {num_pages}")
         dtype = resolve_dtype(dtype)
         target, draft = _layer_shapes(target_cfg, draft_cfg)
+        if flat:
+            elem = torch.empty((), dtype=dtype).element_size()
+            buf = torch.zeros((num_pages, cls.bytes_per_page(target_cfg, draft_cfg, page_size, dtype)),
+                              dtype=torch.uint8, device=device)
+            at = 0
+
+            def view(n_kv: int, head_dim: int) -> Tensor:
+                nonlocal at
+                n = page_size * n_kv * head_dim * elem
+                t = buf[:, at:at + n].view(dtype).view(num_pages, page_size, n_kv, head_dim)
+                at += n
+                return t
+
+            pairs = [(view(*s), view(*s)) for s in target + draft]
+            return cls(pairs[:len(target)], pairs[len(target):], num_pages, page_size, flat=buf)
 
         def pair(n_kv: int, head_dim: int) -> tuple[Tensor, Tensor]:
             shape = (num_pages, page_size, n_kv, head_dim)

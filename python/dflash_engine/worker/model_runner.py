@@ -139,7 +139,7 @@ class ModelRunner:
     def _allocate(self, num_pages: int) -> KVCache:
         """The pool: KV pages, and for a hybrid target the state slots as views into them."""
         kv = KVCache.allocate(self.target_config, self.draft_config, num_pages, self.rc.page_size,
-                              self.rc.dtype, self.device)
+                              self.rc.dtype, self.device, flat=self.state_layout is not None)
         if self.state_layout is not None:
             kv.state = state_views(kv, self.state_layout)
         return kv

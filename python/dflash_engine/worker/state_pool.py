@@ -4,17 +4,21 @@ The Rust core hands out page ids from one pool (rust/src/page_pool.rs); a page i
 either `page_size` tokens of attention KV (target and draft layers) or one *state slot* (the
 conv window and recurrent state of every GDN layer), never both at once. Memory follows:
 
-    KV tensor i (one per attention layer and K|V, target then draft): [num_pages, page_size, n_kv, d]
-      page p of tensor i = bytes [p * chunk_i, (p + 1) * chunk_i)      chunk_i = page_size * n_kv * d * elem
-    GDN layer g's conv window and recurrent state (its two *components*) each sit in one
-      tensor's chunk at a fixed byte offset (`place`): slot p's state lies in page p's chunks.
+    one flat buffer [num_pages, bytes_per_page] (KVCache.allocate(flat=True));
+    KV tensor i (one per attention layer and K|V, target then draft) is a strided view
+      [num_pages, page_size, n_kv, d]: page p of tensor i = bytes [chunk offset i, + chunk_i)
+      of row p, chunk_i = page_size * n_kv * d * elem;
+    GDN layer g's conv window and recurrent state (its two *components*) sit at fixed byte
+      offsets of the page (`place`, packed one after the other): slot p's state lies in row p.
 
-So the state of slot p is a strided view into the very tensors that hold the KV of page p:
+So the state of slot p is a strided view into the very bytes that hold the KV of page p:
 nothing is allocated for it, and the pool's bytes are `num_pages * bytes_per_page` whatever
 the pages hold. `hybrid_page_size` raises the page's token count (in multiples of the one
-asked for) until every component fits (`layout`): one attention page then holds at least
-one state slot, the padding being what the placement leaves over. The pool's one capacity
-number is pages (memory.py); the core counts KV pages and state slots against it alike.
+asked for) until the components fit in one page's bytes (`layout`). Components cross the
+K/V tensors' chunk boundaries freely, so the padding is under one base page of bytes (run 30
+at the Qwen3.5-27B shape, with a slot per KV chunk: 1,536-token pages of 126 MiB for a
+74.8 MiB slot; packed: 912 tokens, 74.8 MiB). The pool's one capacity number is pages
+(memory.py); the core counts KV pages and state slots against it alike.
 
 A page recycled from KV to state holds garbage: a slot is never read before it is written
 (the core reads -1, zeros, for a request without state). A page recycled from state to KV is
@@ -30,7 +34,7 @@ from torch import Tensor
 from ..models.hybrid_state import HybridState
 from ..models.qwen3_5_config import HybridConfig
 
-# Component offsets are aligned to this many bytes inside a page's chunk.
+# Component offsets are aligned to this many bytes inside a page.
 ALIGN = 64
 # The largest page the search tries (tokens): a state slot that needs more is a config error.
 MAX_PAGE_SIZE = 1 << 20
@@ -55,12 +59,12 @@ class Component:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """Where each component of a slot lives: (tensor index, byte offset in its page chunk)."""
+    """Where each component of a slot lives: its byte offset in the page (the flat buffer's row)."""
 
     page_size: int
-    chunk_bytes: tuple[int, ...]  # per KV tensor: bytes of one page
+    chunk_bytes: tuple[int, ...]  # per KV tensor: bytes of one page (the chunks follow each other in a page)
     components: tuple[Component, ...]
-    places: tuple[tuple[int, int], ...]  # per component
+    offsets: tuple[int, ...]  # per component: bytes from the page's start
 
     @property
     def bytes_per_slot(self) -> int:
@@ -89,34 +93,26 @@ def chunk_bytes(target_cfg: HybridConfig, draft_cfg, page_size: int, dtype: torc
     return [page_size * n * elem for n in per for _ in "kv"]
 
 
-def place(comps: list[Component], chunks: list[int]) -> list[tuple[int, int]] | None:
-    """First-fit decreasing: each component into the tensor with the most room left that can
-    hold it at an aligned offset (its element size dividing the chunk, for a strided view);
-    None if one does not fit."""
-    used = [0] * len(chunks)
-    places: list[tuple[int, int] | None] = [None] * len(comps)
+def place(comps: list[Component], page_bytes: int) -> list[int] | None:
+    """Byte offsets packing the components one after the other in a page of `page_bytes`
+    (largest first, each offset a multiple of ALIGN and of its element size); None if they
+    do not fit."""
+    offsets: list[int | None] = [None] * len(comps)
+    at = 0
     for i in sorted(range(len(comps)), key=lambda i: (-comps[i].nbytes, i)):
-        c = comps[i]
-        elem = torch.empty((), dtype=c.dtype).element_size()
-        best = None
-        for j, chunk in enumerate(chunks):
-            at = -(-used[j] // ALIGN) * ALIGN
-            if chunk % elem == 0 and at + c.nbytes <= chunk and (best is None or chunk - at > best[2]):
-                best = (j, at, chunk - at)
-        if best is None:
-            return None
-        places[i] = (best[0], best[1])
-        used[best[0]] = best[1] + c.nbytes
-    return places  # type: ignore[return-value]
+        at = -(-at // ALIGN) * ALIGN  # ALIGN is a multiple of every element size
+        offsets[i] = at
+        at += comps[i].nbytes
+    return offsets if at <= page_bytes else None  # type: ignore[return-value]
 
 
 def layout(target_cfg: HybridConfig, draft_cfg, page_size: int, dtype: torch.dtype) -> StateLayout | None:
     comps = components(target_cfg, dtype)
     chunks = chunk_bytes(target_cfg, draft_cfg, page_size, dtype)
-    places = place(comps, chunks)
-    if places is None:
+    offsets = place(comps, sum(chunks))
+    if offsets is None:
         return None
-    return StateLayout(page_size, tuple(chunks), tuple(comps), tuple(places))
+    return StateLayout(page_size, tuple(chunks), tuple(comps), tuple(offsets))
 
 
 def hybrid_page_size(target_cfg: HybridConfig, draft_cfg, base: int, dtype: torch.dtype) -> int:
@@ -131,21 +127,20 @@ def hybrid_page_size(target_cfg: HybridConfig, draft_cfg, base: int, dtype: torc
     return ps
 
 
-def _view(t: Tensor, offset: int, c: Component) -> Tensor:
-    """Component `c` of every slot: [num_pages, *c.shape], strided over tensor `t`'s pages."""
-    raw = t.view(torch.uint8).view(t.shape[0], -1)
-    return raw[:, offset:offset + c.nbytes].view(c.dtype).view(t.shape[0], *c.shape)
+def _view(flat: Tensor, offset: int, c: Component) -> Tensor:
+    """Component `c` of every slot: [num_pages, *c.shape], strided over the flat buffer's rows."""
+    return flat[:, offset:offset + c.nbytes].view(c.dtype).view(flat.shape[0], *c.shape)
 
 
 def state_views(kv, lay: StateLayout) -> HybridState:
-    """The HybridState of a KVCache allocated with `lay.page_size`: views, no allocation."""
-    tensors = [x for pair in list(kv.target) + list(kv.draft) for x in pair]
-    got = [t[0].numel() * t.element_size() for t in tensors]
-    if got != list(lay.chunk_bytes):
-        raise ValueError(f"KV pages of {got} bytes do not match the state layout's {list(lay.chunk_bytes)}")
+    """The HybridState of a KVCache allocated flat with `lay.page_size`: views, no allocation."""
+    if kv.flat is None:
+        raise ValueError("a hybrid target's KV pool is allocated flat (KVCache.allocate(flat=True))")
+    if kv.flat.shape[1] != lay.bytes_per_page:
+        raise ValueError(f"KV pages of {kv.flat.shape[1]} bytes do not match the state layout's {lay.bytes_per_page}")
     n = len(lay.components) // 2
     conv: list[Tensor | None] = [None] * n
     recurrent: list[Tensor | None] = [None] * n
-    for c, (j, offset) in zip(lay.components, lay.places):
-        (conv if c.kind == "conv" else recurrent)[c.layer] = _view(tensors[j], offset, c)
+    for c, offset in zip(lay.components, lay.offsets):
+        (conv if c.kind == "conv" else recurrent)[c.layer] = _view(kv.flat, offset, c)
     return HybridState(conv=conv, recurrent=recurrent)  # type: ignore[arg-type]
