@@ -168,6 +168,9 @@ def test_cli_flag():
     args = build_parser().parse_args(["serve", "m", "-tp", "2"])
     assert engine_kwargs(args)["tensor_parallel_size"] == 2
     assert build_parser().parse_args(["generate", "x", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    args = build_parser().parse_args(["serve", "m", "-tp", "2", "--distributed-executor-backend", "external_launcher"])
+    assert engine_kwargs(args)["distributed_executor_backend"] == "external_launcher"
+    assert "distributed_executor_backend" not in engine_kwargs(build_parser().parse_args(["serve", "m"]))
 
 
 # ---- two ranks over gloo -----------------------------------------------------------------------
@@ -297,3 +300,44 @@ def test_hung_worker_is_bounded_by_the_step_timeout(qwen3_dir, monkeypatch):
         assert worker.exitcode is not None
     finally:
         engine.close()
+
+
+# ---- ranks started by torchrun (--distributed-executor-backend external_launcher) -------------
+
+
+def test_torchrun_ranks_equal_tp1(qwen3_dir, random_draft_dir, capsys):
+    """`torchrun --nproc-per-node 2 -m dflash_engine.cli generate ... -tp 2
+    --distributed-executor-backend external_launcher`: rank 0 runs the engine and prints, rank 1
+    serves its steps and exits with it; the output equals TP = 1's (float32, exact mode)."""
+    import json
+    import subprocess
+    import sys
+
+    from dflash_engine.cli import main
+
+    args = ["generate", "hello world", "the quick brown fox jumps", "--model", str(qwen3_dir), "--device", "cpu",
+            "--max-tokens", "12", "--batch-invariant", "--speculative-config", json.dumps(spec(random_draft_dir))]
+    assert main(args) == 0
+    ref = capsys.readouterr().out
+    assert ref.count("\n") == 2
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "dflash_engine.cli", *args, "-tp", "2",
+                          "--distributed-executor-backend", "external_launcher"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout == ref
+
+
+def test_external_launcher_needs_torchruns_environment(qwen3_dir, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    kw = dict(model=str(qwen3_dir), device="cpu", tensor_parallel_size=TP, distributed_executor_backend="external_launcher")
+    with pytest.raises(ValueError, match="torchrun.*missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
+        LLM(**kw)
+    for k, v in dict(RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 but torchrun started WORLD_SIZE=3"):
+        LLM(**kw)
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of mp, external_launcher"):
+        EngineConfig(model=str(qwen3_dir), distributed_executor_backend="ray")

@@ -16,6 +16,7 @@ def _generate(args: argparse.Namespace) -> int:
         batch_invariant=args.batch_invariant, cpu_weights=args.cpu_weights or "auto",
         tensor_parallel_size=args.tensor_parallel_size or 1,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype or "auto",
+        distributed_executor_backend=args.distributed_executor_backend or "mp",
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:

@@ -70,6 +70,12 @@ def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
                         default=None,
                         help="split the target and the draft over N ranks (this process and N-1 worker "
                              "processes; N GPUs on CUDA, gloo on the CPU); default 1")
+    parser.add_argument("--distributed-executor-backend", dest="distributed_executor_backend", default=None,
+                        choices=["mp", "external_launcher"],
+                        help="mp (default): this process starts the other ranks; external_launcher: torchrun "
+                             "started them (`torchrun --nproc-per-node N -m dflash_engine.cli serve ... -tp N "
+                             "--distributed-executor-backend external_launcher`: rank 0 serves, the others "
+                             "are its workers)")
 
 
 def add_state_dtype_arg(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +138,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                  "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
                  "enforce_eager", "batch_invariant", "overlap", "cpu_weights", "tensor_parallel_size",
-                 "mamba_ssm_cache_dtype")
+                 "mamba_ssm_cache_dtype", "distributed_executor_backend")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# How tensor-parallel ranks start (EngineConfig.distributed_executor_backend).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 # A hybrid target's recurrent-state dtypes (EngineConfig.mamba_ssm_cache_dtype).
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -196,6 +198,11 @@ class EngineConfig:
     # Ranks the target and the draft are split over (vLLM's --tensor-parallel-size): this
     # process is rank 0 and starts ranks 1..N-1 as worker processes (distributed/). 1: no split.
     tensor_parallel_size: int = 1
+    # How the ranks start (vLLM's --distributed-executor-backend): "mp" (this process spawns
+    # ranks 1..N-1) or "external_launcher" (torchrun started N processes: RANK / WORLD_SIZE /
+    # MASTER_ADDR / MASTER_PORT from its environment; rank 0 runs the engine, ranks >= 1 serve
+    # as its workers inside LLM(...) / serve and exit when rank 0's engine closes).
+    distributed_executor_backend: str = "mp"
     # A hybrid (Qwen3.5) target's recurrent-state dtype (vLLM's --mamba-ssm-cache-dtype):
     # "auto" (the checkpoint's mamba_ssm_dtype, float32 when absent), "float32", "bfloat16",
     # "float16". A 16-bit state halves a state slot (more concurrent requests per GPU).
@@ -215,6 +222,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
         if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
             raise ValueError(f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}, "
                              f"got {self.mamba_ssm_cache_dtype!r}")

@@ -37,6 +37,7 @@ class LLM:
         cpu_weights: str = "auto",
         tensor_parallel_size: int = 1,
         mamba_ssm_cache_dtype: str = "auto",
+        distributed_executor_backend: str = "mp",
     ):
         """speculative_config: "auto" (default): DFlash with the shipped draft when `model` is
         the embedded SmolLM2 (on a GPU or the CPU), off for other models; None or "none": off;
@@ -49,6 +50,8 @@ class LLM:
         "int4" (EngineConfig.cpu_weights, cpu/weights.py).
         tensor_parallel_size: ranks the target and draft are split over (this process and N-1
         worker processes it starts; `llm.engine.close()` stops them, as does garbage collection).
+        distributed_executor_backend: "mp" (default) or "external_launcher" (ranks started by
+        torchrun; on ranks >= 1 this call serves rank 0's steps and then exits the process).
         mamba_ssm_cache_dtype: a hybrid target's recurrent-state dtype (EngineConfig)."""
         self.engine = LLMEngine(
             EngineConfig(
@@ -60,6 +63,7 @@ class LLM:
                 enforce_eager=enforce_eager, batch_invariant=batch_invariant, overlap=overlap,
                 cpu_weights=cpu_weights, tensor_parallel_size=tensor_parallel_size,
                 mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                distributed_executor_backend=distributed_executor_backend,
             )
         )
         self._ids = itertools.count()

@@ -86,6 +86,7 @@ class RuntimeConfig:
     seed: int
     # Tensor parallelism (distributed/): ranks, and the bounds on a rank's waits for the others.
     tensor_parallel_size: int = 1
+    tp_launcher: str = "mp"  # EngineConfig.distributed_executor_backend
     tp_timeout_s: float = 300.0  # any one collective of a step
     tp_setup_timeout_s: float = 1800.0  # worker start-up and shard loading
 
@@ -121,7 +122,7 @@ class RuntimeConfig:
 
 
 def check_tensor_parallel(size: int, mcfg: ModelConfig, dcfg: DraftConfig | None, device: torch.device,
-                          cpu_weights: str, device_count: int | None = None) -> None:
+                          cpu_weights: str, device_count: int | None = None, launcher: str = "mp") -> None:
     """Refuse, with every reason at once, a tensor-parallel split that cannot run: a hybrid
     target (not supported yet), the fast CPU backend's packed formats (single-process only: TP
     runs the plain torch layers), more ranks than GPUs, sizes not divisible by the ranks."""
@@ -134,7 +135,7 @@ def check_tensor_parallel(size: int, mcfg: ModelConfig, dcfg: DraftConfig | None
     if cpu_weights in ("bf16", "int4"):
         problems.append(f"cpu_weights {cpu_weights!r} is the fast CPU backend's, which runs in one process only; "
                         "tensor parallelism runs the plain torch layers (cpu_weights 'auto' or 'none')")
-    if device.type == "cuda":
+    if device.type == "cuda" and launcher == "mp":  # (torchrun's ranks may span hosts: each has its own)
         n = torch.cuda.device_count() if device_count is None else device_count
         first = device.index or 0
         if first + size > n:
@@ -190,7 +191,8 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
 
     tp = cfg.tensor_parallel_size
     # An explicit packed format that would apply is refused; "auto" quietly becomes "none".
-    check_tensor_parallel(tp, mcfg, dcfg, device, cpu_weights if cfg.cpu_weights == cpu_weights else "none")
+    check_tensor_parallel(tp, mcfg, dcfg, device, cpu_weights if cfg.cpu_weights == cpu_weights else "none",
+                          launcher=cfg.distributed_executor_backend)
     if tp > 1 and cpu_weights != "none":
         logger.info("tensor parallelism: the fast CPU backend is single-process; the plain torch layers run")
         cpu_weights = "none"
@@ -227,6 +229,7 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
         gpu_memory_utilization=cfg.gpu_memory_utilization, num_gpu_blocks_override=cfg.num_gpu_blocks_override,
         cpu_kv_cache_bytes=int(gb * (1 << 30)) or DEFAULT_CPU_KV_BYTES,
         cpu_kv_cache_source=f"DFLASH_CPU_KV_CACHE_GB={gb:g}" if gb else "DFLASH_CPU_KV_CACHE_GB (default 1)",
-        seed=cfg.seed, tensor_parallel_size=tp, tp_timeout_s=envs.tp_step_timeout_s(),
+        seed=cfg.seed, tensor_parallel_size=tp, tp_launcher=cfg.distributed_executor_backend,
+        tp_timeout_s=envs.tp_step_timeout_s(),
         tp_setup_timeout_s=envs.tp_setup_timeout_s(),
     )

@@ -51,8 +51,14 @@ class TensorParallelError(RuntimeError):
 
 
 def start_executor(rc: RuntimeConfig) -> Executor | None:
-    """None at tensor_parallel_size 1 (today's path: no process, no communication)."""
-    return None if rc.tensor_parallel_size == 1 else Executor(rc)
+    """None at tensor_parallel_size 1 (today's path: no process, no communication). With
+    torchrun's ranks (tp_launcher "external_launcher") ranks >= 1 never return from here:
+    they serve rank 0's steps, then exit the process (`LauncherExecutor`)."""
+    if rc.tensor_parallel_size == 1:
+        return None
+    if rc.tp_launcher == "external_launcher":
+        return LauncherExecutor(rc)
+    return Executor(rc)
 
 
 class _Ranks:
@@ -210,10 +216,10 @@ class Executor:
         threading.Thread(target=_watch, args=(ranks, stop_r), name="dflash-tp-watchdog", daemon=True).start()
         logger.info("tensor parallelism: %d ranks (%s), workers %s", size, ranks.groups.backend, self.pids)
 
-    def _wait_for_workers(self, timeout: float) -> None:
+    def _wait_for_workers(self, timeout: float, workers: int | None = None) -> None:
         """Until every worker has joined the store; a worker that exits first is an error."""
         ranks = self._ranks
-        keys = [f"rank{r}/joined" for r in range(1, len(ranks.procs) + 1)]
+        keys = [f"rank{r}/joined" for r in range(1, (len(ranks.procs) if workers is None else workers) + 1)]
         deadline = time.monotonic() + timeout
         while not ranks.store.check(keys):
             dead = ranks.dead()
@@ -261,3 +267,45 @@ class Executor:
     def shutdown(self) -> None:
         """Stop the workers (idempotent; also on garbage collection and at interpreter exit)."""
         self._finalizer()
+
+
+class LauncherExecutor(Executor):
+    """Ranks started by torchrun (`--distributed-executor-backend external_launcher`): the
+    store is torchrun's (groups.launcher_store), nothing is spawned. Rank 0 is the driver
+    as with spawned workers; every other rank turns into a worker here (worker.serve_steps)
+    and exits the process when rank 0 stops it (code 0) or on an error (code 1, reported
+    to rank 0 through the store). No watchdog of process sentinels: a dead rank fails the
+    next collective (gloo at once; NCCL within the step timeout), and torchrun stops the
+    job's other ranks when one exits with an error."""
+
+    def __init__(self, rc: RuntimeConfig):
+        import os
+
+        from .groups import launcher_env, launcher_store
+        from .worker import report_error, serve_steps
+
+        size = rc.tensor_parallel_size
+        rank, _, _ = launcher_env(size)
+        setup = timedelta(seconds=rc.tp_setup_timeout_s)
+        local = int(os.environ["LOCAL_RANK"]) if os.environ.get("LOCAL_RANK") else None
+        store = launcher_store(rank, size, setup)
+        if rank != 0:
+            try:
+                serve_steps(rc, rank, size, store, local)
+            except BaseException as e:  # noqa: BLE001  (report, then exit like a spawned worker)
+                report_error(store, rank, e)
+                raise SystemExit(1) from e
+            logger.info("tensor-parallel rank %d: rank 0 stopped the engine; exiting", rank)
+            raise SystemExit(0)
+        self._ranks = ranks = _Ranks([], store)
+        _, stop_w = mp.Pipe(duplex=False)
+        self._finalizer = weakref.finalize(self, _shutdown, ranks, stop_w)
+        try:
+            self._wait_for_workers(rc.tp_setup_timeout_s, size - 1)
+            step = timedelta(seconds=rc.tp_timeout_s)
+            ranks.groups = connect(store, 0, size, rc.device, setup, step, step)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.driver = DriverRank(size, ranks.groups, ranks)
+        logger.info("tensor parallelism: %d ranks started by torchrun (%s)", size, ranks.groups.backend)

@@ -47,10 +47,39 @@ def join_store(port: int, size: int, timeout: timedelta) -> dist.TCPStore:
     return dist.TCPStore(HOST, port, size, False, timeout=timeout)
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r's device: the r-th GPU from the engine's (cuda:i -> cuda:i+r), or the CPU."""
+def launcher_env(size: int) -> tuple[int, str, int]:
+    """(rank, master address, master port) of a torchrun-launched rank; a ValueError naming
+    what is missing or inconsistent (distributed_executor_backend "external_launcher")."""
+    import os
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError("distributed_executor_backend 'external_launcher' runs under torchrun, which sets "
+                         f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; missing: {', '.join(missing)}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != size:
+        raise ValueError(f"tensor_parallel_size {size} but torchrun started WORLD_SIZE={world} ranks: "
+                         "they must be equal")
+    return rank, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+
+def launcher_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
+    """The store of torchrun-launched ranks, under the prefix "dflash/": torchrun's agent
+    hosts one at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), else rank 0
+    hosts it there."""
+    import os
+
+    _, addr, port = launcher_env(size)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(addr, port, size, rank == 0 and not agent, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore("dflash/", store)
+
+
+def rank_device(device: torch.device, rank: int, local_rank: int | None = None) -> torch.device:
+    """Rank r's device: the r-th GPU from the engine's (cuda:i -> cuda:i+r; under torchrun
+    cuda:LOCAL_RANK), or the CPU."""
     if device.type == "cuda":
-        return torch.device("cuda", (device.index or 0) + rank)
+        return torch.device("cuda", local_rank if local_rank is not None else (device.index or 0) + rank)
     return device
 
 

@@ -1,4 +1,5 @@
-"""A worker rank's process (ranks 1..N-1; spawned by executor.py).
+"""A worker rank's process (ranks 1..N-1; spawned by executor.py, or started by torchrun:
+`serve_steps` is the same loop for both).
 
     join the driver's store -> build the groups (groups.py) -> ModelRunner(rc, tp) on this
     rank's device: its shard, its KV pool, the same setup steps as every rank (collectives
@@ -41,6 +42,34 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="dflash-tp-parent", daemon=True).start()
 
 
+def serve_steps(rc: RuntimeConfig, rank: int, size: int, store, local_rank: int | None = None) -> None:
+    """A worker rank's life after it reached the store: groups, its ModelRunner, then every
+    step the driver sends until STOP (returns) or an error (raises)."""
+    device = rank_device(rc.device, rank, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rc = dataclasses.replace(rc, device=device)
+    store.set(f"rank{rank}/joined", "1")
+    groups = connect(store, rank, size, device, timedelta(seconds=rc.tp_setup_timeout_s), IDLE,
+                     timedelta(seconds=rc.tp_timeout_s))
+    runner = ModelRunner(rc, tp=TPRank(rank, size, groups))
+    seq = 1
+    while (step := receive_step(groups.control, seq)) is not None:
+        runner.wait(runner.launch(step.plan, step.st, step.all_greedy))
+        seq += 1
+
+
+def report_error(store, rank: int, e: BaseException) -> None:
+    """The traceback to stderr, the error's last line to the store (the driver's message)."""
+    traceback.print_exc(file=sys.stderr)
+    sys.stderr.flush()
+    if store is not None:
+        try:
+            store.set(f"rank{rank}/error", f"{type(e).__name__}: {e}"[-2000:])
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def run_worker(rc: RuntimeConfig, rank: int, size: int, port: int, threads: int) -> None:
     _exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it stops the workers
@@ -48,25 +77,8 @@ def run_worker(rc: RuntimeConfig, rank: int, size: int, port: int, threads: int)
     store = None
     try:
         store = join_store(port, size, timedelta(seconds=rc.tp_setup_timeout_s))
-        device = rank_device(rc.device, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        rc = dataclasses.replace(rc, device=device)
-        store.set(f"rank{rank}/joined", "1")
-        groups = connect(store, rank, size, device, timedelta(seconds=rc.tp_setup_timeout_s), IDLE,
-                         timedelta(seconds=rc.tp_timeout_s))
-        runner = ModelRunner(rc, tp=TPRank(rank, size, groups))
-        seq = 1
-        while (step := receive_step(groups.control, seq)) is not None:
-            runner.wait(runner.launch(step.plan, step.st, step.all_greedy))
-            seq += 1
+        serve_steps(rc, rank, size, store)
     except BaseException as e:  # noqa: BLE001  (report, then exit: the driver fails the engine)
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
-        if store is not None:
-            try:
-                store.set(f"rank{rank}/error", f"{type(e).__name__}: {e}"[-2000:])
-            except Exception:  # noqa: BLE001
-                pass
+        report_error(store, rank, e)
         os._exit(1)
     os._exit(0)
