@@ -5,7 +5,8 @@ Runs on the GPU when there is one, else on CPU tensors under Triton's interprete
 (tests/conftest.py sets TRITON_INTERPRET=1 when nvidia-smi is absent): float32 and tiny shapes
 there. Tolerances: the recurrence 1e-5 of the largest |value| (float32 math, other summation
 order); the conv 1e-6 (float32 taps; the twin rounds each product: in float32 that is ~1 ulp),
-its windows bit-exact (they are copies); bf16 on the GPU 2e-2; fla's chunked form 2e-3.
+its windows bit-exact (they are copies); bf16 2e-2 (on the GPU; on CPU too for the raw-gate
+test); fla's chunked form 2e-3.
 """
 from __future__ import annotations
 
@@ -107,6 +108,64 @@ def test_recurrent_options_and_subset():
     assert torch.isnan(out[cu[1]:cu[2]]).all(), "rows of sequences not run are left alone"
     kept = [int(s) for s in write[rows] if s >= 0]
     assert torch.equal(sub_pool[kept], kern_pool[kept])
+
+
+def raw_gates(t, seed, dtype):
+    """In_proj-like a, b [T, H_V] (column slices of a wider row: strided), A_log and dt_bias
+    [H_V] in `dtype`; a + dt_bias spans both softplus branches (> 20 and very negative)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(t, 2 * H_V + 5, generator=gen) * 4
+    wide[::3, 3] = 25.0  # softplus' linear branch
+    wide[1::3, 4] = -30.0  # log1p(exp(x)) of a tiny exp(x)
+    wide = wide.to(DEV, dtype)
+    a_log = (torch.rand(H_V, generator=gen) * 2 - 1).to(DEV, dtype)
+    dt_bias = torch.randn(H_V, generator=gen).to(DEV, dtype)
+    return wide[:, 3:3 + H_V], wide[:, 3 + H_V:3 + 2 * H_V], a_log, dt_bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_recurrent_raw_gates_match_twin(dtype):
+    """The kernel given raw a, b, A_log, dt_bias (g and beta computed inside) == the twin
+    given torch's g, beta (ops.gdn.gdn_gates); a padding sequence of length 0 and -1 slots."""
+    lengths = [1, 4, 0, 3, 1]
+    case, cu, pool, read, write = make_case(lengths, 16, 16, seed=21, dtype=dtype)
+    a, b, a_log, dt_bias = raw_gates(cu[-1], seed=22, dtype=dtype)
+    assert a.stride(0) == 2 * H_V + 5
+    g, beta = ref_gdn.gdn_gates(a, b, a_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    case.update(g=g, beta=beta)
+    _, ref, _, ref_pool = run_recurrent(case, cu, pool, read, write)
+    kern_pool = pool.clone()
+    got = kg.fused_recurrent_gated_delta_rule(case["q"], case["k"], case["v"], a, b, torch.tensor(cu, device=DEV),
+                                              kern_pool, read, write, a_log=a_log, dt_bias=dt_bias)
+    assert_close(got, ref, TOL[dtype])
+    assert_close(kern_pool, ref_pool, TOL[dtype])
+
+
+@pytest.mark.parametrize("mode", ["decode_verify", "mixed"])
+def test_ops_dispatch_raw_gates(monkeypatch, mode):
+    """ops.gdn.gated_delta_rule(gates=...) on the kernel path (gates inside the recurrent
+    kernel; torch's g, beta for the chunked rows of a mixed step) == the torch path."""
+    lengths = {"decode_verify": [1, 3, 0, 1], "mixed": [1, 7, 2]}[mode]
+    case, cu, pool, read, write = make_case(lengths, 16, 16, seed=31)
+    if mode == "mixed":
+        write[cu[1]:cu[2] - 1] = -1  # sequence 1 runs chunked
+    write_host = write.tolist()
+    per_token = ref_gdn.per_token_sequences(cu, write_host)
+    assert per_token == {"decode_verify": [True, True, False, True], "mixed": [True, False, True]}[mode]
+    gates = raw_gates(cu[-1], seed=32, dtype=torch.float32)
+    qkv = [case[n] for n in ("q", "k", "v")]
+    results = []
+    for on in (False, True):
+        kernel_path(monkeypatch, on)
+        p = pool.clone()
+        o = ref_gdn.gated_delta_rule(*qkv, None, None, cu, p, read, write, write_host, per_token, chunk_size=4,
+                                     query_start_loc=torch.tensor(cu, device=DEV) if on else None, gates=gates)
+        results.append((o, p))
+    (ref, ref_pool), (got, got_pool) = results
+    tol = FLA_TOL if ON_GPU and mode == "mixed" and kg._fla_chunk() is not None else 1e-5
+    assert_close(got, ref, tol)
+    assert_close(got_pool, ref_pool, tol)
 
 
 @pytest.mark.parametrize("kw", [2, 4, 5])

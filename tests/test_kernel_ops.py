@@ -1,7 +1,8 @@
 """Triton norm / rotary / activation kernels against their torch twins in dflash_engine.ops.
 
 On a GPU host the kernels run on CUDA (float32 and bfloat16); without one, tests/conftest.py
-sets TRITON_INTERPRET=1 and they run under Triton's interpreter on CPU tensors (float32).
+sets TRITON_INTERPRET=1 and they run under Triton's interpreter on CPU tensors (float32;
+bfloat16 too for Qwen3.5's gated attention q/k path).
 """
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import torch
 
 from dflash_engine.kernels import activation as k_act
 from dflash_engine.kernels import norm as k_norm
+from dflash_engine.kernels import partial_rotary as k_pr
 from dflash_engine.kernels import rotary as k_rot
 from dflash_engine.ops import activation as r_act
+from dflash_engine.ops import dispatch
 from dflash_engine.ops import norm as r_norm
 from dflash_engine.ops import rotary as r_rot
 from dflash_engine.ops.norm import RMSNorm
+from dflash_engine.ops.partial_rotary import apply_partial_rotary
 from dflash_engine.ops.rotary import RotaryEmbedding, apply_rotary
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,12 +39,12 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan"))
 
 
-def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
+def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, tol: dict | None = None):
     assert got.shape == ref.shape and got.dtype == ref.dtype
     assert torch.isfinite(got).all()
     err = (got.float() - ref.float()).abs().max().item()
     scale = ref.float().abs().max().item()
-    assert err <= TOL[dtype] * scale, f"max abs err {err} vs max |ref| {scale} ({dtype})"
+    assert err <= (tol or TOL)[dtype] * scale, f"max abs err {err} vs max |ref| {scale} ({dtype})"
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -215,6 +219,85 @@ def test_qk_norm_rope_equals_unmerged_attention_math(dtype):
     for a, b in zip(twin, (q, k, v)):
         assert_close(a, b, dtype)
     check_qkv(kern, twin, dtype)
+
+
+# ---------------------------------------------------------------- Qwen3.5 gated attention q/k path
+
+PARTIAL_SHAPES = [  # (T, H, KV, D, rotary_dim)
+    (3, 4, 1, 256, 64),  # Qwen3.5-like: a group of heads over one KV head, a quarter of each rotated
+    (5, 4, 2, 16, 8),    # the tiny test models' geometry
+    (4, 3, 1, 48, 12),   # head_dim and rotary half not powers of two
+    (2, 2, 1, 32, 32),   # the whole head rotated
+]
+
+
+# Triton's interpreter casts float32 -> bfloat16 by truncation (the GPU rounds to nearest):
+# up to an ulp more per rounding on CPU.
+PARTIAL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2 if DEV == "cuda" else 2e-2}
+
+
+def gated_qkv_inputs(t, h, kv, d, rd, dtype, gated, seed):
+    """qkv as a column slice of a wider projection (strided rows), cos/sin [T, rd], weights."""
+    g = gen(seed)
+    width = h * d * (2 if gated else 1) + 2 * kv * d
+    wide = randn(t, width + 24, g=g, dtype=dtype, scale=2.0)
+    cos, sin = RotaryEmbedding(rd, 1e7)(torch.randint(0, 4096, (t,), generator=g).to(DEV), dtype)
+    qw, kw = (randn(d, g=g, dtype=dtype, scale=0.3) for _ in range(2))
+    return wide[:, 8:8 + width], cos, sin, qw, kw
+
+
+def partial_reference(qkv, h, kv, d, cos, sin, qw, kw, gated):
+    """GatedAttention's torch ops: split, zero-centred norm per head, partial rotary."""
+    t = qkv.shape[0]
+    qs = h * d * (2 if gated else 1)
+    q, k, v = qkv[:, :qs], qkv[:, qs:qs + kv * d], qkv[:, qs + kv * d:]
+    gate = None
+    if gated:
+        q, gate = q.reshape(t, h, 2 * d).chunk(2, dim=-1)
+    q = apply_partial_rotary(r_norm.zero_centred_rms_norm(q.reshape(t, h, d), qw, EPS), cos, sin)
+    k = apply_partial_rotary(r_norm.zero_centred_rms_norm(k.reshape(t, kv, d), kw, EPS), cos, sin)
+    return q, k, v.reshape(t, kv, d), gate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("t,h,kv,d,rd", PARTIAL_SHAPES)
+def test_qk_norm_partial_rope(dtype, gated, t, h, kv, d, rd):
+    qkv, cos, sin, qw, kw = gated_qkv_inputs(t, h, kv, d, rd, dtype, gated, seed=t * 7 + d + rd)
+    assert qkv.stride(0) == qkv.shape[1] + 24
+    ref_q, ref_k, ref_v, ref_gate = partial_reference(qkv, h, kv, d, cos, sin, qw, kw, gated)
+    q, k, v, gate = k_pr.qk_norm_partial_rope(qkv, h, kv, d, cos, sin, qw, kw, EPS, gated)
+    for got, ref in ((q, ref_q), (k, ref_k)):
+        assert got.is_contiguous()
+        assert_close(got, ref, dtype, PARTIAL_TOL)
+    assert v.is_contiguous() and torch.equal(v, ref_v)
+    assert (gate is None) == (ref_gate is None)
+    if gated:
+        assert torch.equal(gate, ref_gate)
+        out = randn(t, h * d, g=gen(t), dtype=dtype)
+        ref_out = out * torch.sigmoid(ref_gate.reshape(t, h * d))
+        assert_close(k_pr.sigmoid_gate(out, gate), ref_out, dtype, PARTIAL_TOL)
+
+
+def test_partial_rope_dispatch(monkeypatch):
+    """dispatch.qk_norm_partial_rope / sigmoid_gate: the torch branch is GatedAttention's
+    ops (bit for bit), the kernel branch close to it."""
+    t, h, kv, d, rd = 3, 4, 2, 16, 8
+    qkv, cos, sin, qw, kw = gated_qkv_inputs(t, h, kv, d, rd, torch.float32, True, seed=9)
+    out = randn(t, h * d, g=gen(10))
+    results = []
+    for on in (False, True):
+        monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1" if on else "0")
+        monkeypatch.setenv("DFLASH_REFERENCE_OPS", "0" if on else "1")
+        q, k, v, gate = dispatch.qk_norm_partial_rope(qkv, h, kv, d, cos, sin, qw, kw, EPS, gated=True)
+        results.append((q, k, v, dispatch.sigmoid_gate(out, gate)))
+    ref = partial_reference(qkv, h, kv, d, cos, sin, qw, kw, True)
+    for a, b in zip(results[0][:3], ref):
+        assert a.is_contiguous() and torch.equal(a, b)
+    assert torch.equal(results[0][3], out * torch.sigmoid(ref[3].reshape(t, h * d)))
+    for a, b in zip(results[1], results[0]):
+        assert a.is_contiguous()
+        assert_close(a, b, torch.float32)
 
 
 # ---------------------------------------------------------------- SwiGLU

@@ -2,7 +2,8 @@
 
 - `fused_recurrent_gated_delta_rule`: the per-token delta rule over a slot pool of states
   (float32, or 16-bit rounded after every row; decode and verification: the state after
-  every row can be kept);
+  every row can be kept); given the raw in_proj outputs a, b with A_log and dt_bias, it
+  computes g and beta itself (the model's formula, float32: no torch launches for them);
 - `causal_conv1d`: the short depthwise causal conv + silu, continuing each sequence from its
   slot's window of the last K-1 inputs;
 - `gated_rms_norm`: RMSNorm(x) * weight * silu(gate), the GDN output norm;
@@ -41,17 +42,35 @@ _MAX_CONV_K = 5  # the conv window is carried in K-1 <= 4 registers vectors
 
 
 @triton.jit
+def _gdn_gates(a, b, a_log, dt_bias):
+    """(g, beta) of one row and value head from the raw in_proj outputs, as the model's torch
+    code: g = -exp(A_log) * softplus(a + dt_bias) in float32 (softplus: x above 20, else
+    log1p(exp(x)), log1p through the exact-ish log(u) * e / (u - 1) form), beta = sigmoid(b)
+    in float32 rounded to b's dtype (torch's sigmoid returns b's dtype)."""
+    x = a.to(tl.float32) + dt_bias
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    d = u - 1.0
+    log1p = tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
+    g = -tl.exp(a_log) * tl.where(x > 20.0, x, log1p)
+    beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+    return g, beta
+
+
+@triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, seq_ptr, pool_ptr, read_ptr, write_ptr, o_ptr,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h, sp_s, sp_h, sp_k,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, cu_ptr, seq_ptr, pool_ptr, read_ptr, write_ptr,
+    o_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h, sp_s, sp_h, sp_k,
     scale, eps, D_K, D_V,
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
-    ROUND_STATE: tl.constexpr,
+    ROUND_STATE: tl.constexpr, GATES: tl.constexpr,
 ):
     """One program: a sequence (program 0's index, or seq_ptr[it] with HAS_SEQ_IDS), a value
     head, BV value columns. The state tile [BK, BV] stays in registers across its rows;
     ROUND_STATE (a pool below float32): rounded to the pool's dtype after every row, as the
-    twin does, so a row continues from what the previous row's step would have stored."""
+    twin does, so a row continues from what the previous row's step would have stored.
+    GATES: g_ptr / beta_ptr hold the raw a / b, and g = -exp(A_log) * softplus(a + dt_bias),
+    beta = sigmoid(b) are computed here (`_gdn_gates`); otherwise they hold g and beta."""
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_SEQ_IDS:
         i_n = tl.load(seq_ptr + i_n).to(tl.int32)
@@ -66,6 +85,11 @@ def _recurrent_kernel(
     slot = tl.load(read_ptr + i_n).to(tl.int64)
     # masks as tl.where(scalar, block, False): Triton's interpreter refuses block & scalar
     state = tl.load(p_s + tl.maximum(slot, 0) * sp_s, mask=tl.where(slot >= 0, m_s, False), other=0.0).to(tl.float32)
+    a_log = 0.0
+    dt_bias = 0.0
+    if GATES:
+        a_log = tl.load(alog_ptr + i_h).to(tl.float32)
+        dt_bias = tl.load(dtb_ptr + i_h).to(tl.float32)
     for t in range(bos, eos):
         b_q = tl.load(q_ptr + t * sq_t + i_hk * sq_h + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k_ptr + t * sk_t + i_hk * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -74,8 +98,12 @@ def _recurrent_kernel(
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + eps)
         b_q = b_q * scale
         b_v = tl.load(v_ptr + t * sv_t + i_h * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g_ptr + t * sg_t + i_h * sg_h).to(tl.float32)
-        b_beta = tl.load(beta_ptr + t * sb_t + i_h * sb_h).to(tl.float32)
+        b_g = tl.load(g_ptr + t * sg_t + i_h * sg_h)
+        b_beta = tl.load(beta_ptr + t * sb_t + i_h * sb_h)
+        if GATES:
+            b_g, b_beta = _gdn_gates(b_g, b_beta, a_log, dt_bias)
+        else:
+            b_g, b_beta = b_g.to(tl.float32), b_beta.to(tl.float32)
         state = state * tl.exp(b_g)
         delta = (b_v - tl.sum(state * b_k[:, None], axis=0)) * b_beta
         state = state + b_k[:, None] * delta[None, :]
@@ -94,7 +122,8 @@ def _last_unit(t: Tensor) -> Tensor:
 def fused_recurrent_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, state_pool: Tensor,
     read: Tensor, write: Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
-    seq_ids: Tensor | None = None, out: Tensor | None = None,
+    seq_ids: Tensor | None = None, out: Tensor | None = None, a_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
 ) -> Tensor:
     """The per-token delta rule over a state pool [S, H_v, d_k, d_v] (ops.delta_rule.
     recurrent_gated_delta_rule's contract and math, float32, in one launch).
@@ -102,7 +131,11 @@ def fused_recurrent_gated_delta_rule(
     q, k [T, H_k, d_k]; v [T, H_v, d_v]; g (log decay), beta [T, H_v]; cu_seqlens [R+1],
     read [R], write [T]: device integer tensors. `seq_ids` [R'] (optional): run only these
     sequences, writing their rows of `out` (the other rows are left as they are). Returns
-    o [T, H_v, d_v] in v's dtype (`out` when given)."""
+    o [T, H_v, d_v] in v's dtype (`out` when given).
+
+    `a_log`, `dt_bias` [H_v] (both or neither): g and beta are then the raw in_proj outputs
+    a and b ([T, H_v], any row stride), and the kernel computes g = -exp(A_log) *
+    softplus(a + dt_bias) and beta = sigmoid(b) itself (ops.gdn.gdn_gates' formula)."""
     t_count, h_v, d_v = v.shape
     h_k, d_k = k.shape[1], k.shape[2]
     if h_v % h_k:
@@ -115,18 +148,24 @@ def fused_recurrent_gated_delta_rule(
         return out
     if state_pool.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("the state pool and `out` need a unit last stride")
+    if (a_log is None) != (dt_bias is None):
+        raise ValueError("pass both a_log and dt_bias, or neither")
+    gates = a_log is not None
+    if gates and (a_log.shape != (h_v,) or dt_bias.shape != (h_v,)):
+        raise ValueError(f"a_log {tuple(a_log.shape)}, dt_bias {tuple(dt_bias.shape)} are not [{h_v}]")
     q, k, v = (_last_unit(x) for x in (q, k, v))
+    a_log, dt_bias = (a_log.contiguous(), dt_bias.contiguous()) if gates else (g, g)  # g: never read
     scale = d_k**-0.5 if scale is None else float(scale)
     bk, bv = triton.next_power_of_2(d_k), min(triton.next_power_of_2(d_v), _MAX_BV)
     seqs = cu_seqlens if seq_ids is None else seq_ids
     _recurrent_kernel[(n, h_v, triton.cdiv(d_v, bv))](
-        q, k, v, g, beta, cu_seqlens, seqs, state_pool, read, write, out,
+        q, k, v, g, beta, a_log, dt_bias, cu_seqlens, seqs, state_pool, read, write, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         scale, _L2_EPS, d_k, d_v,
         GROUP=h_v // h_k, BK=bk, BV=bv, L2NORM=use_qk_l2norm, HAS_SEQ_IDS=seq_ids is not None,
-        ROUND_STATE=state_pool.dtype != torch.float32,
+        ROUND_STATE=state_pool.dtype != torch.float32, GATES=gates,
         num_warps=4 if bk * bv >= 2048 else 1,
     )
     return out

@@ -20,12 +20,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import dispatch, gdn
 from ..ops.attention import AttentionMetadata
-from ..ops.partial_rotary import apply_partial_rotary
 from ..ops.rotary import RotaryEmbedding
 from .config import resolve_dtype
 from .hybrid_state import HybridState, StateMetadata
@@ -98,13 +96,13 @@ class GatedDeltaNet(nn.Module):
         mixed = gdn.causal_conv1d(mixed, self.conv1d.weight[:, 0], step.query_start_loc, conv_pool, sm.read,
                                   sm.write)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.sigmoid()
-        # float32 before exp/softplus: in half precision A_log.exp() can overflow
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        # beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) (gdn.gdn_gates): in torch
+        # on the reference path, inside the recurrent kernel on the kernel path
         o = gdn.gated_delta_rule(
             q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
-            v.reshape(t, self.num_v_heads, self.head_v_dim), g, beta, step.query_start_loc, state_pool,
-            sm.read, sm.write, step.write_host, step.per_token, query_start_loc=step.meta.query_start_loc)
+            v.reshape(t, self.num_v_heads, self.head_v_dim), None, None, step.query_start_loc, state_pool,
+            sm.read, sm.write, step.write_host, step.per_token, query_start_loc=step.meta.query_start_loc,
+            gates=(a, b, self.A_log, self.dt_bias))
         o = self.norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(t, self.value_dim))
 
@@ -125,20 +123,18 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, step: HybridStep, kv_layer: tuple[Tensor, Tensor]) -> Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        gate = None
-        if self.gated:  # per head: [query (head_dim) | gate (head_dim)]
-            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_partial_rotary(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), step.cos, step.sin)
-        k = apply_partial_rotary(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), step.cos, step.sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # split; q/k zero-centred RMSNorm (both eps are cfg.rms_norm_eps) + partial rotary;
+        # contiguous q, k, v (one launch on the kernel path); the gate: per q head
+        # [query (head_dim) | gate (head_dim)]
+        q, k, v, gate = dispatch.qk_norm_partial_rope(
+            self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim, step.cos, step.sin,
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.gated)
         k_cache, v_cache = kv_layer
-        dispatch.store_kv(k_cache, v_cache, k.contiguous(), v.contiguous(), step.meta.slot_mapping)
-        out = dispatch.paged_attention(q.contiguous(), k_cache, v_cache, step.meta, self.scale,
+        dispatch.store_kv(k_cache, v_cache, k, v, step.meta.slot_mapping)
+        out = dispatch.paged_attention(q, k_cache, v_cache, step.meta, self.scale,
                                        self.qkv_proj.batch_invariant).flatten(1)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(t, self.num_heads * self.head_dim))
+            out = dispatch.sigmoid_gate(out, gate)
         return self.o_proj(out)
 
 

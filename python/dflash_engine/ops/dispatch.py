@@ -19,6 +19,7 @@ from . import activation as _act
 from . import attention as _attn
 from . import linear as _lin
 from . import norm as _norm
+from . import partial_rotary as _pr
 from . import rotary as _rot
 from . import sampling as _sampling
 
@@ -101,6 +102,40 @@ def qk_norm_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, 
 
         fn = rotary.qk_norm_rope
     return fn(qkv, num_heads, num_kv_heads, head_dim, cos, sin, q_norm_weight, k_norm_weight, eps)
+
+
+def qk_norm_partial_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: Tensor, sin: Tensor,
+                         q_norm_weight: Tensor, k_norm_weight: Tensor, eps: float, gated: bool = False
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Qwen3.5's gated attention inputs: qkv [T, H*D*(2 if gated) + 2*KV*D] (gated: per q head
+    [query | gate]) -> contiguous q [T, H, D], k [T, KV, D] (zero-centred RMSNorm, then partial
+    rotary with cos/sin [T, rotary_dim]), v [T, KV, D], and the gate ([T, H, D] view, or None)."""
+    if use_kernels(qkv):
+        from ..kernels import partial_rotary
+
+        return partial_rotary.qk_norm_partial_rope(qkv, num_heads, num_kv_heads, head_dim, cos, sin,
+                                                   q_norm_weight, k_norm_weight, eps, gated)
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim * (2 if gated else 1), num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    gate = None
+    if gated:  # per head: [query (head_dim) | gate (head_dim)]
+        q, gate = q.view(t, num_heads, 2 * head_dim).chunk(2, dim=-1)
+    q = _pr.apply_partial_rotary(_norm.zero_centred_rms_norm(q.reshape(t, num_heads, head_dim), q_norm_weight, eps),
+                                 cos, sin)
+    k = _pr.apply_partial_rotary(
+        _norm.zero_centred_rms_norm(k.reshape(t, num_kv_heads, head_dim), k_norm_weight, eps), cos, sin)
+    v = v.reshape(t, num_kv_heads, head_dim)
+    return q.contiguous(), k.contiguous(), v.contiguous(), gate
+
+
+def sigmoid_gate(out: Tensor, gate: Tensor) -> Tensor:
+    """out [T, H*D] * sigmoid(gate [T, H, D]): the gated attention's output gate."""
+    if use_kernels(out):
+        from ..kernels import partial_rotary
+
+        return partial_rotary.sigmoid_gate(out, gate)
+    return out * torch.sigmoid(gate.reshape(out.shape))
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:

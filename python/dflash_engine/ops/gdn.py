@@ -88,21 +88,35 @@ def _rows(cu: list[int], seqs: list[int], device) -> tuple[Tensor, list[int]]:
     return torch.tensor(idx, dtype=torch.long, device=device), sub_cu
 
 
+def gdn_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(g, beta) from the in_proj outputs a, b [T, H_v]: g = -exp(A_log) * softplus(a +
+    dt_bias) in float32 (in half precision A_log.exp() can overflow), beta = sigmoid(b)."""
+    beta = b.sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
+
+
 def gated_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Sequence[int], state_pool: Tensor,
-    read: Tensor, write: Tensor, write_host: Sequence[int], per_token: Sequence[bool], chunk_size: int = 64,
-    query_start_loc: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, cu_seqlens: Sequence[int],
+    state_pool: Tensor, read: Tensor, write: Tensor, write_host: Sequence[int], per_token: Sequence[bool],
+    chunk_size: int = 64, query_start_loc: Tensor | None = None,
+    gates: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The delta rule of a flat batch over a state pool [S, H_v, d_k, d_v], q/k l2-normed.
     Sequences flagged in `per_token` (see `per_token_sequences`) run the recurrent form and
     keep every state `write` asks for; the others run chunked and keep their final state
     at their last row's write slot. Returns o [T, H_v, d_v].
 
+    `gates` = (a, b, A_log, dt_bias) in place of g and beta (pass None for those): the raw
+    in_proj outputs, turned into g and beta by `gdn_gates`, or inside the recurrent kernel
+    on the kernel path (torch computes them there only for chunked sequences).
     `query_start_loc`: cu_seqlens on the device (the attention metadata's), for the kernel
     path; without it the host list is copied there."""
     if dispatch.use_kernels(v):
         return _gated_delta_rule_kernels(q, k, v, g, beta, cu_seqlens, state_pool, read, write, write_host,
-                                         per_token, chunk_size, query_start_loc)
+                                         per_token, chunk_size, query_start_loc, gates)
+    if gates is not None:
+        g, beta = gdn_gates(*gates)
     cu = list(cu_seqlens)
     out = torch.empty_like(v)
     groups = ([r for r, p in enumerate(per_token) if p], [r for r, p in enumerate(per_token) if not p])
@@ -143,27 +157,34 @@ def _device_index(x: Tensor | Sequence[int], device) -> Tensor:
 
 
 def _gated_delta_rule_kernels(q, k, v, g, beta, cu_seqlens, state_pool, read, write, write_host, per_token,
-                              chunk_size, query_start_loc):
+                              chunk_size, query_start_loc, gates):
     """gated_delta_rule on the kernel path. A step whose sequences all run per token (or
     are empty: a graph's padding) is ONE launch of the fused recurrent kernel, without host
-    lists (decode / verify: what a CUDA graph captures). A mixed step runs its per-token
-    sequences in place (one launch, `seq_ids`) and gathers the chunked ones' rows for the
-    chunked form (fla on CUDA), whose final states go to their last row's write slot."""
+    lists (decode / verify: what a CUDA graph captures); with `gates` the kernel computes g
+    and beta itself. A mixed step runs its per-token sequences in place (one launch,
+    `seq_ids`) and gathers the chunked ones' rows for the chunked form (fla on CUDA), whose
+    final states go to their last row's write slot (g and beta from `gdn_gates` there)."""
     from ..kernels import gdn as _kernels
 
     cu_dev = _device_index(cu_seqlens if query_start_loc is None else query_start_loc, v.device)
+    # the recurrent kernel's gate inputs: raw a, b with A_log, dt_bias, or g and beta
+    rec_g, rec_beta, rec_kw = (g, beta, {}) if gates is None else \
+        (gates[0], gates[1], {"a_log": gates[2], "dt_bias": gates[3]})
     chunked = [r for r, p in enumerate(per_token) if not p]
     if chunked:  # host lengths are read only here: empty sequences need no chunked pass
         cu = list(cu_seqlens)
         chunked = [r for r in chunked if cu[r + 1] > cu[r]]
     if not chunked:
-        return _kernels.fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_dev, state_pool, read, write)
+        return _kernels.fused_recurrent_gated_delta_rule(q, k, v, rec_g, rec_beta, cu_dev, state_pool, read, write,
+                                                         **rec_kw)
+    if gates is not None:
+        g, beta = gdn_gates(*gates)
     out = torch.empty_like(v)
     recurrent = [r for r, p in enumerate(per_token) if p]
     if recurrent:
         _kernels.fused_recurrent_gated_delta_rule(
-            q, k, v, g, beta, cu_dev, state_pool, read, write,
-            seq_ids=torch.tensor(recurrent, dtype=torch.int64, device=v.device), out=out)
+            q, k, v, rec_g, rec_beta, cu_dev, state_pool, read, write,
+            seq_ids=torch.tensor(recurrent, dtype=torch.int64, device=v.device), out=out, **rec_kw)
     # every per-token sequence's slots differ from these reads: reading after its writes is safe
     idx, sub_cu = _rows(cu, chunked, v.device)
     sub_read = read.index_select(0, torch.tensor(chunked, dtype=torch.long, device=read.device))
