@@ -77,3 +77,12 @@ def tp_setup_timeout_s() -> float:
     """`DFLASH_TP_SETUP_TIMEOUT_S` (default 1800): under tensor parallelism, the longest the
     engine waits for its worker ranks to start and load their shards."""
     return float(os.environ.get("DFLASH_TP_SETUP_TIMEOUT_S", "1800") or 1800)
+
+
+TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def torchrun() -> dict[str, str]:
+    """What torchrun sets for each rank it starts (distributed_executor_backend
+    "external_launcher"): the keys of TORCHRUN_KEYS that are set and non-empty."""
+    return {k: os.environ[k] for k in TORCHRUN_KEYS if os.environ.get(k)}

@@ -279,15 +279,15 @@ class LauncherExecutor(Executor):
     job's other ranks when one exits with an error."""
 
     def __init__(self, rc: RuntimeConfig):
-        import os
-
+        from .. import envs
         from .groups import launcher_env, launcher_store
         from .worker import report_error, serve_steps
 
         size = rc.tensor_parallel_size
         rank, _, _ = launcher_env(size)
         setup = timedelta(seconds=rc.tp_setup_timeout_s)
-        local = int(os.environ["LOCAL_RANK"]) if os.environ.get("LOCAL_RANK") else None
+        local_rank = envs.torchrun().get("LOCAL_RANK")
+        local = int(local_rank) if local_rank is not None else None
         store = launcher_store(rank, size, setup)
         if rank != 0:
             try:

@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import envs
+
 HOST = "127.0.0.1"
 # A worker waits on `control` for its next step as long as the engine is idle.
 IDLE = timedelta(days=3650)
@@ -50,27 +52,24 @@ def join_store(port: int, size: int, timeout: timedelta) -> dist.TCPStore:
 def launcher_env(size: int) -> tuple[int, str, int]:
     """(rank, master address, master port) of a torchrun-launched rank; a ValueError naming
     what is missing or inconsistent (distributed_executor_backend "external_launcher")."""
-    import os
-
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    env = envs.torchrun()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
         raise ValueError("distributed_executor_backend 'external_launcher' runs under torchrun, which sets "
                          f"RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; missing: {', '.join(missing)}")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if world != size:
         raise ValueError(f"tensor_parallel_size {size} but torchrun started WORLD_SIZE={world} ranks: "
                          "they must be equal")
-    return rank, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return rank, env["MASTER_ADDR"], int(env["MASTER_PORT"])
 
 
 def launcher_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
     """The store of torchrun-launched ranks, under the prefix "dflash/": torchrun's agent
     hosts one at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), else rank 0
     hosts it there."""
-    import os
-
     _, addr, port = launcher_env(size)
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    agent = envs.torchrun().get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(addr, port, size, rank == 0 and not agent, timeout=timeout, wait_for_workers=False)
     return dist.PrefixStore("dflash/", store)
 
