@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks, float32 exact mode): TP = 2 output equals
 TP = 1 output token for token, spec on and off, c = 1 and 8, with chunked prefill and
-preemption, τ equal; a killed worker fails the engine within seconds (health 503), no hang,
-no orphan process. The sharding math itself is checked without processes (simulated ranks)."""
+preemption, τ equal, for dense and hybrid (Qwen3.5: GDN + gated attention) targets; a killed
+worker fails the engine within seconds (health 503), no hang, no orphan process. The sharding
+math itself is checked without processes (simulated ranks)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,13 @@ from dflash_engine.config import EngineConfig
 from dflash_engine.distributed.executor import TensorParallelError
 from dflash_engine.distributed.step_message import pack, unpack
 from dflash_engine.models import load_draft, load_target
+from dflash_engine.models.hybrid_state import HybridState, StateMetadata
+from dflash_engine.models.loader import read_config
 from dflash_engine.models.parallel import TPShard, rank_config
+from dflash_engine.models.qwen3_5 import HybridStep, load_qwen3_5
+from dflash_engine.models.qwen3_5_config import HybridConfig
 from dflash_engine.runtime_config import check_tensor_parallel, resolve
+from dflash_engine.worker import state_pool
 from dflash_engine.worker.kv_cache import KVCache
 
 TP = 2
@@ -111,6 +117,88 @@ def test_sharded_layers_over_simulated_ranks_equal_the_whole(llama_pair):
     torch.testing.assert_close(sum(m.fc(taps) for m in d_ranks), d_full.fc(taps))
 
 
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """The tiny Qwen3.5 hybrid (4 q / 2 kv heads, GDN 2 key / 4 value heads: every count
+    splits over 2 ranks) and an untrained one-layer draft (block 4) over its layers 1 and 2."""
+    from tiny_hybrid import make_tiny_hybrid_draft, make_tiny_qwen3_5
+    from tiny_models import make_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tp_hybrid")
+    target, _ = make_tiny_qwen3_5(root / "target")
+    make_tiny_tokenizer(target, 300)
+    return target, make_tiny_hybrid_draft(root / "draft", target, block_size=4)
+
+
+def _gdn_step(q_lens: list[int], read: list[int], write: list[int]) -> HybridStep:
+    from attention_meta import meta_from_lists
+
+    qsl = np.cumsum([0] + q_lens).tolist()
+    meta = meta_from_lists([0] * qsl[-1], qsl, q_lens, [[0]] * len(q_lens), True)
+    sm = StateMetadata.final(qsl, read, write)
+    return HybridStep(None, None, meta, sm, qsl, sm.per_token(qsl), sm.host_lists()[1])
+
+
+def test_hybrid_sharded_layers_over_simulated_ranks_equal_the_whole(hybrid_pair):
+    """Hybrid ranks built and loaded alone: the GDN layer split by heads (in_proj's q | k | v |
+    z | b | a rows, conv channels, A_log, dt_bias per rank; out_proj row-parallel) sums to the
+    whole layer over a prefill and a decode step, and each rank's state slots hold exactly its
+    heads' part of the whole state; the gated attention's [query | gate] rows split per head."""
+    target_dir, _ = hybrid_pair
+    full = load_qwen3_5(target_dir, "float32", "cpu", batch_invariant=True)
+    ranks = [load_qwen3_5(target_dir, "float32", "cpu", batch_invariant=True, tp=TPShard(r, TP)) for r in range(TP)]
+    cfg, views = full.config, [m.config for m in ranks]
+    assert all(v == views[0] for v in views)
+    assert (views[0].linear_num_key_heads, views[0].linear_num_value_heads) == (1, 2)
+    x, ids = torch.randn(5, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (7,))
+    torch.testing.assert_close(sum(m.embed(ids) for m in ranks), full.embed(ids), rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([m.compute_logits(x) for m in ranks], -1), full.compute_logits(x))
+    g = cfg.gdn_layer_ids[0]
+    whole, parts = full.model.layers[g].linear_attn, [m.model.layers[g].linear_attn for m in ranks]
+    pools = [HybridState.allocate(c, 3, torch.float32) for c in [cfg, *views]]
+    for q_lens, read in (([5, 3], [-1, -1]), ([1, 2], [0, 1])):  # prefill (chunked form), then on from the state
+        h = torch.randn(sum(q_lens), cfg.hidden_size)
+        step = _gdn_step(q_lens, read, [0, 1])
+        out = [m(h, step, p.conv[0], p.recurrent[0]) for m, p in zip([whole, *parts], pools)]
+        torch.testing.assert_close(sum(out[1:]), out[0])
+    dk, dv, nk, nv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, 1, 2
+    key_dim = cfg.gdn_key_dim
+    for r, p in enumerate(pools[1:]):
+        rows = [*range(r * nk * dk, (r + 1) * nk * dk), *range(key_dim + r * nk * dk, key_dim + (r + 1) * nk * dk),
+                *range(2 * key_dim + r * nv * dv, 2 * key_dim + (r + 1) * nv * dv)]
+        assert torch.equal(parts[r].conv1d.weight, whole.conv1d.weight[rows])
+        assert torch.equal(parts[r].A_log, whole.A_log[r * nv:(r + 1) * nv])
+        torch.testing.assert_close(p.conv[0][:2], pools[0].conv[0][:2, rows])
+        torch.testing.assert_close(p.recurrent[0][:2], pools[0].recurrent[0][:2, r * nv:(r + 1) * nv])
+    # Gated attention: rank r's q rows are its heads' [query | gate] pairs, then its kv head.
+    a = cfg.attention_layer_ids[0]
+    w, hd = full.model.layers[a].self_attn.qkv_proj.weight, cfg.head_dim
+    q = cfg.num_attention_heads // TP * 2 * hd
+    kv0 = cfg.num_attention_heads * 2 * hd
+    kv = cfg.num_key_value_heads // TP * hd
+    for r, m in enumerate(ranks):
+        rows = torch.cat([w[r * q:(r + 1) * q], w[kv0 + r * kv:kv0 + (r + 1) * kv],
+                          w[kv0 + cfg.num_key_value_heads * hd + r * kv:][:kv]])
+        assert torch.equal(m.model.layers[a].self_attn.qkv_proj.weight, rows)
+
+
+def test_hybrid_rank_view_sizes_state_slots_and_pages(hybrid_pair):
+    """A rank's state slot and KV page hold its heads only (half the bytes at TP = 2); the page
+    size in tokens comes from the rank's view, the same on every rank."""
+    target, draft = hybrid_pair
+    one = resolve(EngineConfig(model=str(target), device="cpu", speculative_config=spec(draft)))
+    two = resolve(EngineConfig(model=str(target), device="cpu", speculative_config=spec(draft),
+                               tensor_parallel_size=TP))
+    view, dview = rank_config(two.model_config, TP), rank_config(two.draft_config, TP)
+    lay = state_pool.layout(view, dview, two.page_size, torch.float32)
+    assert lay is not None and two.page_size == state_pool.hybrid_page_size(view, dview, 16, torch.float32)
+    whole = state_pool.layout(one.model_config, one.draft_config, one.page_size, torch.float32)
+    assert lay.bytes_per_slot * TP == whole.bytes_per_slot
+    assert HybridState.bytes_per_slot(view, torch.float32) * TP == HybridState.bytes_per_slot(
+        one.model_config, torch.float32)
+    assert lay.bytes_per_page == KVCache.bytes_per_page(view, dview, two.page_size, torch.float32)
+
+
 def test_rank_config_sizes_the_kv_cache_per_rank(qwen3_dir):
     rc = resolve(EngineConfig(model=str(qwen3_dir), device="cpu", speculative_config=None))
     view = rank_config(rc.model_config, TP)
@@ -140,7 +228,7 @@ def test_step_message_round_trip():
         assert np.array_equal(step.st[k], v), k
 
 
-def test_configurations_that_cannot_split_are_refused(qwen3_dir, random_draft_dir):
+def test_configurations_that_cannot_split_are_refused(qwen3_dir, random_draft_dir, hybrid_pair):
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(model=str(qwen3_dir), tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
@@ -157,8 +245,17 @@ def test_configurations_that_cannot_split_are_refused(qwen3_dir, random_draft_di
         check_tensor_parallel(TP, cfg, None, torch.device("cuda"), "none", device_count=1)
     with pytest.raises(ValueError, match="vocab_size"):
         check_tensor_parallel(TP, dataclasses.replace(cfg, vocab_size=301), None, torch.device("cpu"), "none")
-    with pytest.raises(ValueError, match="not supported yet for hybrid"):
-        check_tensor_parallel(TP, SimpleNamespace(gdn_layer_ids=[0]), None, torch.device("cpu"), "none")
+    # A hybrid target splits its GDN layers by heads: key and value heads must divide too.
+    hybrid = HybridConfig.from_dict(read_config(hybrid_pair[0]))
+    check_tensor_parallel(TP, hybrid, None, torch.device("cpu"), "none")
+    odd = dataclasses.replace(hybrid, linear_num_key_heads=3, linear_num_value_heads=3)
+    with pytest.raises(ValueError, match=r"cannot run: the target: linear_num_key_heads \(3\) is not divisible by "
+                                         r"tensor_parallel_size \(2\); .*linear_num_value_heads \(3\)"):
+        check_tensor_parallel(TP, odd, None, torch.device("cpu"), "none")
+    with pytest.raises(ValueError, match=r"linear_num_value_heads \(6\) is not divisible by tensor_parallel_size \(4\)"):
+        check_tensor_parallel(4, dataclasses.replace(hybrid, linear_num_key_heads=4, linear_num_value_heads=6,
+                                                     num_attention_heads=4, vocab_size=304), None,
+                              torch.device("cpu"), "none")
 
 
 def test_cli_flag():
@@ -214,6 +311,55 @@ def test_tp2_spec_off_equals_tp1_under_pressure(trained, trained_reference):
         assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
         assert llm.stats().num_preemptions > 0
         assert one_by_one(llm, ref.ps[:2], 16) == [t[:16] for t in ref.tokens[:2]]  # c = 1
+    finally:
+        llm.engine.close()
+
+
+# A hybrid target under pressure: a 12-token budget chunks every prefill; a page holds KV or one
+# state slot: spec on, 10 pages of 48 tokens hold one full-length request (3 KV pages + 5 slots);
+# spec off (pages of 80 tokens), 6 pages, and prompts of 66 to 79 tokens that grow past a page.
+HYBRID_PRESSURE = dict(batch_invariant=True, max_num_seqs=8, max_num_batched_tokens=12, max_model_len=128,
+                       num_gpu_blocks_override=10)
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference(hybrid_pair):
+    """TP = 1 under pressure, spec on: tokens (the spec-off ones too: DFlash is lossless, which
+    test_hybrid_engine.py checks) and acceptance counters."""
+    target, draft = hybrid_pair
+    rng = np.random.default_rng(11)
+    lens = [int(rng.integers(66, 80) if i % 3 == 0 else rng.integers(3, 40)) for i in range(8)]
+    ps = [{"prompt_token_ids": rng.integers(3, 250, size=n).tolist()} for n in lens]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    on = LLM(model=str(target), device="cpu", speculative_config=spec(draft), **HYBRID_PRESSURE)
+    out = tokens(on.generate(ps, params, use_tqdm=False))
+    assert on.stats().num_preemptions > 0
+    return SimpleNamespace(ps=ps, params=params, tokens=out, spec=spec_counts(on.stats()))
+
+
+def test_tp2_hybrid_spec_on_equals_tp1_under_pressure(hybrid_pair, hybrid_reference):
+    target, draft = hybrid_pair
+    ref = hybrid_reference
+    llm = LLM(model=str(target), device="cpu", speculative_config=spec(draft), tensor_parallel_size=TP,
+              **HYBRID_PRESSURE)
+    try:
+        assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
+        st = llm.stats()
+        assert st.num_preemptions > 0 and spec_counts(st) == ref.spec
+        assert one_by_one(llm, ref.ps[:2], 8) == [t[:8] for t in ref.tokens[:2]]  # c = 1
+        assert llm.engine.scheduler.num_free_pages == llm.engine.scheduler.num_usable_pages
+    finally:
+        llm.engine.close()
+
+
+def test_tp2_hybrid_spec_off_equals_tp1_under_pressure(hybrid_pair, hybrid_reference):
+    ref = hybrid_reference
+    llm = LLM(model=str(hybrid_pair[0]), device="cpu", speculative_config=None, tensor_parallel_size=TP,
+              **{**HYBRID_PRESSURE, "num_gpu_blocks_override": 6})
+    try:
+        assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
+        assert llm.stats().num_preemptions > 0
+        assert one_by_one(llm, ref.ps[:2], 8) == [t[:8] for t in ref.tokens[:2]]  # c = 1
     finally:
         llm.engine.close()
 

@@ -24,7 +24,7 @@ from .cpu import resolve_format
 from .model_path import is_gguf_model, resolve_model_path
 from .models.config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
 from .models.loader import read_config, target_config
-from .models.parallel import shard_problems
+from .models.parallel import rank_config, shard_problems
 
 logger = logging.getLogger(__name__)
 
@@ -123,14 +123,11 @@ class RuntimeConfig:
 
 def check_tensor_parallel(size: int, mcfg: ModelConfig, dcfg: DraftConfig | None, device: torch.device,
                           cpu_weights: str, device_count: int | None = None, launcher: str = "mp") -> None:
-    """Refuse, with every reason at once, a tensor-parallel split that cannot run: a hybrid
-    target (not supported yet), the fast CPU backend's packed formats (single-process only: TP
-    runs the plain torch layers), more ranks than GPUs, sizes not divisible by the ranks."""
+    """Refuse, with every reason at once, a tensor-parallel split that cannot run: the fast CPU
+    backend's packed formats (single-process only: TP runs the plain torch layers), more ranks
+    than GPUs, sizes not divisible by the ranks (a hybrid target's GDN key and value heads too)."""
     if size == 1:
         return
-    if hasattr(mcfg, "gdn_layer_ids"):
-        raise ValueError(f"tensor_parallel_size {size}: tensor parallelism is not supported yet for hybrid "
-                         "(Qwen3.5) targets; use tensor_parallel_size 1")
     problems = []
     if cpu_weights in ("bf16", "int4"):
         problems.append(f"cpu_weights {cpu_weights!r} is the fast CPU backend's, which runs in one process only; "
@@ -204,7 +201,10 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
         if cfg.mamba_ssm_cache_dtype != "auto":  # the state pool's dtype (its layout reads mcfg)
             mcfg = replace(mcfg, mamba_ssm_dtype=cfg.mamba_ssm_cache_dtype)
 
-        page_size = hybrid_page_size(mcfg, dcfg, cfg.block_size, dtype)
+        # Every rank's pages have this many tokens: sized from the rank's config view (its state
+        # slot and KV chunks are its heads'; the views are the same on every rank).
+        page_size = hybrid_page_size(rank_config(mcfg, tp), None if dcfg is None else rank_config(dcfg, tp),
+                                     cfg.block_size, dtype)
         if page_size != cfg.block_size:
             logger.info("hybrid target: pages of %d tokens (raised from %d) so that one page holds one recurrent "
                         "state slot", page_size, cfg.block_size)

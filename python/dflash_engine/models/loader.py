@@ -89,7 +89,7 @@ def load_weights(model: nn.Module, files: list[Path], tp: TPShard | None = None,
                         tensor = f.get_tensor(name) if shape == expected else None
                     else:  # only the rank's rows / columns are read; `expected`: the whole tensor's
                         tensor, shape = read_slice(f, name, where)
-                        expected = expected[:where[0]] + (where[3],) + expected[where[0] + 1:]
+                        expected = expected[:where[0]] + (where[-1],) + expected[where[0] + 1:]
                     if tensor is None or tensor.shape != dest.shape:
                         rows_of = "" if param_name == name else f" (rows [{start}, {start + rows}) of {param_name})"
                         raise ValueError(

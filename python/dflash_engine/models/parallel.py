@@ -15,6 +15,20 @@
     (*) kv heads >= tp: kv/tp heads each; kv < tp (tp a multiple of kv): one kv head, replicated
         on tp/kv ranks (rank r holds head r*kv//tp, the one its q heads read).
 
+A hybrid (Qwen3.5) target, in addition (its attention as above, q_proj rows per head
+[query | gate] when gated; the GDN layers split by heads, H_k/tp key heads and H_v/tp value
+heads per rank, so a rank's value heads read its own key heads, GROUP = H_v/H_k unchanged):
+    linear_attn.in_proj_qkv           column, 3 spans              [q_r | k_r | v_r] of its heads  -
+    linear_attn.conv1d.weight         channels, the same 3 spans   its heads' q, k, v channels   -
+    linear_attn.in_proj_z             column                       its value heads' rows         -
+    linear_attn.in_proj_b, in_proj_a  column                       its value heads               -
+      -> merged in_proj rows [qkv_r | z_r | b_r | a_r] (qwen3_5.py packing over the rank's view)
+    linear_attn.A_log, dt_bias        value heads                  its value heads               -
+    linear_attn.out_proj.weight       row (input columns)          its value heads' columns      all-reduce
+    linear_attn.norm                  replicated (per head_v_dim)  all of it                     -
+Its recurrent state (conv window, [H_v, d_k, d_v] state) is then per rank too: a rank's state
+slots hold its heads only, sized from its config view (worker/state_pool.py).
+
 So attention runs per rank on its own heads (its KV cache holds its kv heads only), the
 residual stream, norms and taps are whole on every rank, and the logits are whole before
 sampling: sampling, acceptance and the draft's proposals are the same computation on every
@@ -103,6 +117,11 @@ def shard_problems(cfg: ModelConfig, size: int, what: str, split_vocab: bool = T
                    f"tensor_parallel_size ({size})")
     if split_vocab and cfg.vocab_size % size:
         out.append(f"{what}: vocab_size ({cfg.vocab_size}) is not divisible by tensor_parallel_size ({size})")
+    if hasattr(cfg, "linear_num_key_heads"):  # a hybrid target's GDN layers: split by heads
+        for key in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(cfg, key) % size:
+                out.append(f"{what}: {key} ({getattr(cfg, key)}) is not divisible by tensor_parallel_size "
+                           f"({size})")
     if isinstance(cfg, DraftConfig) and (len(cfg.target_layer_ids) * cfg.hidden_size) % size:
         out.append(f"{what}: its fc input ({len(cfg.target_layer_ids)} taps x hidden_size {cfg.hidden_size}) is "
                    f"not divisible by tensor_parallel_size ({size})")
@@ -111,7 +130,8 @@ def shard_problems(cfg: ModelConfig, size: int, what: str, split_vocab: bool = T
 
 def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The config one rank builds its model and its KV cache from: attention heads, kv heads,
-    intermediate size and (for a target) vocabulary per rank; the rest the model's. The one
+    intermediate size, (for a target) vocabulary and (a hybrid's) GDN key and value heads per
+    rank, so its state slots too; the rest the model's. The one
     place these per-rank sizes are decided. `size == 1`: `cfg` itself."""
     if size == 1:
         return cfg
@@ -120,48 +140,81 @@ def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
     if problems:
         raise ValueError("; ".join(problems))
     kv = cfg.num_key_value_heads
+    gdn = {}
+    if hasattr(cfg, "linear_num_key_heads"):  # a hybrid target: its GDN heads too (and so its state slots)
+        gdn = dict(linear_num_key_heads=cfg.linear_num_key_heads // size,
+                   linear_num_value_heads=cfg.linear_num_value_heads // size)
     return dataclasses.replace(
         cfg, num_attention_heads=cfg.num_attention_heads // size, num_key_value_heads=max(1, kv // size),
         intermediate_size=cfg.intermediate_size // size,
-        vocab_size=cfg.vocab_size if draft else cfg.vocab_size // size)
+        vocab_size=cfg.vocab_size if draft else cfg.vocab_size // size, **gdn)
 
 
-def checkpoint_slice(name: str, cfg: ModelConfig, shard: TPShard) -> tuple[int, int, int, int] | None:
-    """The rank's slice of checkpoint tensor `name` of a model with (whole) config `cfg`:
-    (dim, start, length, the dim's full size), or None for a tensor every rank holds whole."""
-    module, _, leaf = name.rpartition(".")
-    last = module.rpartition(".")[2]
-    hd = cfg.head_dim
-    if last == "q_proj":
-        start, n = shard.span(cfg.num_attention_heads)
-        return 0, start * hd, n * hd, cfg.num_attention_heads * hd
-    if last in ("k_proj", "v_proj"):
-        start, n = shard.kv_heads(cfg.num_key_value_heads)
-        return 0, start * hd, n * hd, cfg.num_key_value_heads * hd
-    if last == "o_proj" and leaf == "weight":
-        start, n = shard.span(cfg.num_attention_heads)
-        return 1, start * hd, n * hd, cfg.num_attention_heads * hd
-    if last in ("gate_proj", "up_proj"):
-        return (0, *shard.span(cfg.intermediate_size), cfg.intermediate_size)
-    if last == "down_proj" and leaf == "weight":
-        return (1, *shard.span(cfg.intermediate_size), cfg.intermediate_size)
-    if last in ("embed_tokens", "lm_head"):
-        return (0, *shard.span(cfg.vocab_size), cfg.vocab_size)
-    if module == "fc" and isinstance(cfg, DraftConfig):
-        width = len(cfg.target_layer_ids) * cfg.hidden_size
-        return (1, *shard.span(width), width)
+Slice = tuple[int, tuple[tuple[int, int], ...], int]  # (dim, ((start, length), ...), the dim's full size)
+
+
+def _one(dim: int, span: tuple[int, int], full: int) -> Slice:
+    return dim, (span,), full
+
+
+def _gdn_slice(last: str, leaf: str, cfg, shard: TPShard) -> Slice | None:
+    """The rank's slice of a hybrid target's GDN tensor (None: not one of the split ones)."""
+    k0, nk = shard.span(cfg.linear_num_key_heads)
+    v0, nv = shard.span(cfg.linear_num_value_heads)
+    dk, dv, key_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gdn_key_dim
+    if last == "in_proj_qkv" or (last == "conv1d" and leaf == "weight"):  # rows / channels [q | k | v]
+        return 0, ((k0 * dk, nk * dk), (key_dim + k0 * dk, nk * dk), (2 * key_dim + v0 * dv, nv * dv)), cfg.conv_dim
+    if last == "in_proj_z":
+        return _one(0, (v0 * dv, nv * dv), cfg.gdn_value_dim)
+    if last in ("in_proj_b", "in_proj_a") or (last == "linear_attn" and leaf in ("A_log", "dt_bias")):
+        return _one(0, (v0, nv), cfg.linear_num_value_heads)
+    if last == "out_proj" and leaf == "weight":
+        return _one(1, (v0 * dv, nv * dv), cfg.gdn_value_dim)
     return None
 
 
-def read_slice(f, name: str, where: tuple[int, int, int, int]) -> tuple[Tensor | None, tuple[int, ...]]:
+def checkpoint_slice(name: str, cfg: ModelConfig, shard: TPShard) -> Slice | None:
+    """The rank's slice of checkpoint tensor `name` of a model with (whole) config `cfg`:
+    (dim, its spans along dim (start, length), concatenated in order; the dim's full size), or
+    None for a tensor every rank holds whole. One span, except the GDN's [q | k | v] rows."""
+    module, _, leaf = name.rpartition(".")
+    last = module.rpartition(".")[2]
+    hd = cfg.head_dim
+    if last == "q_proj":  # a gated attention's rows are per head [query | gate]: twice head_dim
+        q_hd = hd * (2 if getattr(cfg, "attn_output_gate", False) else 1)
+        start, n = shard.span(cfg.num_attention_heads)
+        return _one(0, (start * q_hd, n * q_hd), cfg.num_attention_heads * q_hd)
+    if last in ("k_proj", "v_proj"):
+        start, n = shard.kv_heads(cfg.num_key_value_heads)
+        return _one(0, (start * hd, n * hd), cfg.num_key_value_heads * hd)
+    if last == "o_proj" and leaf == "weight":
+        start, n = shard.span(cfg.num_attention_heads)
+        return _one(1, (start * hd, n * hd), cfg.num_attention_heads * hd)
+    if last in ("gate_proj", "up_proj"):
+        return _one(0, shard.span(cfg.intermediate_size), cfg.intermediate_size)
+    if last == "down_proj" and leaf == "weight":
+        return _one(1, shard.span(cfg.intermediate_size), cfg.intermediate_size)
+    if last in ("embed_tokens", "lm_head"):
+        return _one(0, shard.span(cfg.vocab_size), cfg.vocab_size)
+    if module == "fc" and isinstance(cfg, DraftConfig):
+        width = len(cfg.target_layer_ids) * cfg.hidden_size
+        return _one(1, shard.span(width), width)
+    if hasattr(cfg, "linear_num_key_heads"):
+        return _gdn_slice(last, leaf, cfg, shard)
+    return None
+
+
+def read_slice(f, name: str, where: Slice) -> tuple[Tensor | None, tuple[int, ...]]:
     """Read only the rank's slice of checkpoint tensor `name` from an open safetensors file:
-    (the slice, or None when the tensor's sliced dim is not the model's; the tensor's shape)."""
-    dim, start, length, full = where
+    (the slice, its spans concatenated along the dim, or None when the tensor's sliced dim is
+    not the model's; the tensor's shape)."""
+    dim, spans, full = where
     sl = f.get_slice(name)
     shape = tuple(sl.get_shape())
     if len(shape) <= dim or shape[dim] != full:
         return None, shape
-    return (sl[start:start + length] if dim == 0 else sl[:, start:start + length]), shape
+    parts = [sl[start:start + n] if dim == 0 else sl[:, start:start + n] for start, n in spans]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)), shape
 
 
 @dataclass
@@ -182,13 +235,16 @@ class RowParallel:
 
 def shard_model(model: torch.nn.Module, shard: TPShard) -> torch.nn.Module:
     """Make a model built from `rank_config` (before its weights are loaded) this rank's part:
-    o_proj / down_proj row-parallel, the vocabulary split (a target), and a draft's fc
+    o_proj / down_proj row-parallel (and the layers a module names in its ROW_PARALLEL: a
+    hybrid target's o_proj and GDN out_proj), the vocabulary split (a target), and a draft's fc
     row-parallel over its share of the taps' columns (its weight resized to that share)."""
     for m in model.modules():
         if isinstance(m, Attention):
             m.o_proj.row_parallel = RowParallel(shard)
         elif isinstance(m, MLP):
             m.down_proj.row_parallel = RowParallel(shard)
+        for name in getattr(m, "ROW_PARALLEL", ()):  # another model's mixers (qwen3_5.py: o_proj, out_proj)
+            getattr(m, name).row_parallel = RowParallel(shard)
     if isinstance(model, CausalLM):
         model.tp = shard
     if isinstance(model, DFlashDraftModel):

@@ -30,6 +30,7 @@ from .hybrid_state import HybridState, StateMetadata
 from .layers import MLP, CausalLM, Linear
 from .loader import _build, read_config
 from .packed import checkpoint_shards
+from .parallel import TPShard
 from .qwen3_5_config import LINEAR_ATTENTION, HybridConfig
 
 # Checkpoint tensors that are not the text model (the vision tower, multi-token prediction).
@@ -74,6 +75,9 @@ class HybridStep:
 
 
 class GatedDeltaNet(nn.Module):
+    # Tensor parallelism (models/parallel.py): split by heads, out_proj sums the ranks' parts.
+    ROW_PARALLEL = ("out_proj",)
+
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.num_v_heads, self.head_v_dim = cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -108,6 +112,8 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
+    ROW_PARALLEL = ("o_proj",)  # tensor parallelism: split by heads (models/parallel.py)
+
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -238,8 +244,9 @@ class Qwen3_5ForCausalLM(CausalLM):
 
 
 def load_qwen3_5(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu",
-                 batch_invariant: bool | None = None) -> Qwen3_5ForCausalLM:
-    """A Qwen3.5 target from a Hugging Face directory (either checkpoint layout)."""
+                 batch_invariant: bool | None = None, tp: TPShard | None = None) -> Qwen3_5ForCausalLM:
+    """A Qwen3.5 target from a Hugging Face directory (either checkpoint layout); `tp`: this
+    rank's shard under tensor parallelism (models/parallel.py; None: the whole model)."""
     cfg = HybridConfig.from_dict(read_config(path))
     return _build(Qwen3_5ForCausalLM, cfg, path, resolve_dtype(dtype, cfg.torch_dtype, device), device,
-                  batch_invariant)
+                  batch_invariant, tp)

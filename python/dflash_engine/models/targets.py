@@ -17,9 +17,7 @@ from .qwen3_5_config import is_hybrid_config
 def load_target(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu",
                 batch_invariant: bool | None = None, tp: TPShard | None = None) -> nn.Module:
     """batch_invariant: the exact mode's flag (None: `envs.batch_invariant()`), as loader.load_target;
-    tp: this rank's shard under tensor parallelism (dense targets only so far)."""
+    tp: this rank's shard under tensor parallelism (models/parallel.py)."""
     if is_hybrid_config(loader.read_config(path)):
-        if tp is not None:
-            raise ValueError("tensor parallelism is not supported yet for hybrid (Qwen3.5) targets")
-        return load_qwen3_5(path, dtype, device, batch_invariant)
+        return load_qwen3_5(path, dtype, device, batch_invariant, tp)
     return loader.load_target(path, dtype, device, batch_invariant, tp)

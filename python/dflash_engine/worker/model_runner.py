@@ -68,7 +68,8 @@ class ModelRunner:
             tp.barrier()
         self.state_layout = None
         if rc.hybrid:
-            self.state_layout = layout(rc.model_config, rc.draft_config, rc.page_size, rc.dtype)
+            # this rank's view (under TP its GDN heads only): its slots' bytes and places
+            self.state_layout = layout(self.target_config, self.draft_config, rc.page_size, rc.dtype)
             logger.info("hybrid target: %d GDN layers' state in slots of the KV pool (no fast CPU backend)",
                         len(rc.model_config.gdn_layer_ids))
         elif tp is None:
