@@ -487,3 +487,35 @@ def test_external_launcher_needs_torchruns_environment(qwen3_dir, monkeypatch):
         LLM(**kw)
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of mp, external_launcher"):
         EngineConfig(model=str(qwen3_dir), distributed_executor_backend="ray")
+
+
+@pytest.fixture(scope="module")
+def trained_hybrid_pair(tmp_path_factory):
+    """The trained tiny hybrid pair of tests/test_hybrid_engine.py (same recipe: the draft
+    comes from the session's cache when that module ran first)."""
+    from draft_training import make_learnable_hybrid_target, train_tiny_draft
+
+    root = tmp_path_factory.mktemp("tp_trained_hybrid")
+    target = make_learnable_hybrid_target(root / "target")
+    draft = train_tiny_draft(target, root / "draft", block_size=4, cache_dir=tmp_path_factory.getbasetemp() / "drafts")
+    return target, draft
+
+
+def test_tp2_trained_hybrid_pair_accepts_like_tp1(trained_hybrid_pair):
+    """Verify blocks that accept several rows under TP = 2: every rank moves its committed GDN
+    state to a later row's slot; tokens and acceptance counters equal TP = 1's."""
+    from draft_training import TRAIN_PROMPT_SEED, random_prompts
+
+    target, draft = trained_hybrid_pair
+    ps = [{"prompt_token_ids": p} for p in random_prompts(8, 8, seed=TRAIN_PROMPT_SEED + 1).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(model=str(target), device="cpu", batch_invariant=True, max_num_seqs=8, speculative_config=spec(draft))
+    one = LLM(**kw)
+    ref = tokens(one.generate(ps, params, use_tqdm=False))
+    assert one.stats().mean_acceptance_length > 2.0, "a real draft: multi-row acceptance"
+    llm = LLM(**kw, tensor_parallel_size=TP)
+    try:
+        assert tokens(llm.generate(ps, params, use_tqdm=False)) == ref
+        assert spec_counts(llm.stats()) == spec_counts(one.stats())
+    finally:
+        llm.engine.close()
