@@ -1,0 +1,120 @@
+"""Compile every Triton kernel variant a CPU test run launches for the H200 (sm_90), without a GPU.
+
+    python bench/compile_check.py tests/test_kernel_ops.py tests/test_kernel_gdn.py [-k expr]
+
+Pass 1 runs the given pytest selection under Triton's interpreter (TRITON_INTERPRET=1,
+DFLASH_KERNELS_ON_CPU=1) and records each launch's kernel, argument types and constexpr
+values. Pass 2, a fresh process without the interpreter, compiles each distinct variant
+with `triton.compile(..., target=GPUTarget("cuda", 90, 32))` (Triton's bundled ptxas): the
+interpreter accepts constructs the compiler rejects, so a kernel that passes the CPU tests
+can still fail to build on the device. Prints one line per variant and exits 1 if any fails.
+The local Triton may be newer than the device's (docs/GPU_NOTES.md).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int32": "i32", "int64": "i64",
+           "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1", "float64": "fp64"}
+
+
+def _arg_type(value) -> str | None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+def record(pytest_args: list[str], out_path: str) -> int:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["DFLASH_KERNELS_ON_CPU"] = "1"
+    import inspect
+
+    import pytest
+    from triton.runtime import interpreter
+
+    seen: dict[str, dict] = {}
+    original = interpreter.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        params = inspect.signature(fn).parameters
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        values = dict(zip(self.arg_names, args))
+        values.update({k: v for k, v in kwargs.items() if k in params})
+        signature, constexprs = {}, {}
+        for name, p in params.items():
+            v = values.get(name, p.default)
+            if "constexpr" in str(p.annotation):
+                constexprs[name] = v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+                signature[name] = "constexpr"
+            else:
+                t = _arg_type(v)
+                signature[name] = t if t is not None else "constexpr"
+                if t is None:
+                    constexprs[name] = None if v is None else str(v)
+        entry = {"module": fn.__module__, "name": fn.__name__, "signature": signature,
+                 "constexprs": constexprs, "options": options}
+        seen.setdefault(json.dumps(entry, sort_keys=True), entry)
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = run
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args])
+    with open(out_path, "w") as f:
+        json.dump(list(seen.values()), f)
+    print(f"recorded {len(seen)} kernel variants (pytest exit {int(rc)})")
+    return int(rc)
+
+
+def compile_all(path: str) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    entries = json.load(open(path))
+    target = GPUTarget("cuda", 90, 32)
+    failed = 0
+    for e in entries:
+        fn = getattr(importlib.import_module(e["module"]), e["name"])
+        consts = {k: v for k, v in e["constexprs"].items()}
+        what = f"{e['module'].rsplit('.', 1)[-1]}.{e['name']} " + ",".join(
+            f"{k}={v}" for k, v in consts.items() if v is not None and not isinstance(v, str))[:150]
+        try:
+            triton.compile(ASTSource(fn, e["signature"], consts), target=target, options=e["options"])
+            print(f"OK    {what}")
+        except Exception as exc:  # noqa: BLE001  (report every variant)
+            failed += 1
+            print(f"FAIL  {what}\n      {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}")
+    print(f"{len(entries) - failed} of {len(entries)} variants compile for sm_90 (triton {triton.__version__})")
+    return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--compile"]:
+        return compile_all(argv[1])
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "variants.json")
+        rc = subprocess.call([sys.executable, __file__, "--record", path, *argv])
+        if rc not in (0, 5) or not os.path.exists(path):
+            print(f"the recording run failed (pytest exit {rc})")
+            return 1
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DFLASH_KERNELS_ON_CPU")}
+        return subprocess.call([sys.executable, __file__, "--compile", path], env=env)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--record"]:
+        raise SystemExit(record(sys.argv[3:], sys.argv[2]))
+    raise SystemExit(main(sys.argv[1:]))
