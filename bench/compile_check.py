@@ -93,10 +93,10 @@ def compile_all(path: str) -> int:
             f"{k}={v}" for k, v in consts.items() if v is not None and not isinstance(v, str))[:150]
         try:
             triton.compile(ASTSource(fn, e["signature"], consts), target=target, options=e["options"])
-            print(f"OK    {what}")
+            print(f"OK    {what}", flush=True)
         except Exception as exc:  # noqa: BLE001  (report every variant)
             failed += 1
-            print(f"FAIL  {what}\n      {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}")
+            print(f"FAIL  {what}\n      {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}", flush=True)
     print(f"{len(entries) - failed} of {len(entries)} variants compile for sm_90 (triton {triton.__version__})")
     return 1 if failed else 0
 
