@@ -200,26 +200,34 @@ class Executor:
         threads = max(1, torch.get_num_threads() // size)
         procs = [ctx.Process(target=run_worker, args=(rc, r, size, store.port, threads), daemon=True,
                              name=f"dflash-tp-rank{r}") for r in range(1, size)]
+        stop_r = self._drive(rc, store, procs)
+        threading.Thread(target=_watch, args=(self._ranks, stop_r), name="dflash-tp-watchdog", daemon=True).start()
+        logger.info("tensor parallelism: %d ranks (%s), workers %s", size, self._ranks.groups.backend, self.pids)
+
+    def _drive(self, rc: RuntimeConfig, store, procs: list):
+        """Rank 0's side, whoever starts ranks 1..N-1 (`procs`: the processes to start, none
+        under torchrun): the shared failure state and its finalizer, the wait for every worker
+        in the store, the groups, the driver. Returns the watchdog's end of the stop pipe."""
+        size = rc.tensor_parallel_size
         self._ranks = ranks = _Ranks(procs, store)
         stop_r, stop_w = mp.Pipe(duplex=False)
         self._finalizer = weakref.finalize(self, _shutdown, ranks, stop_w)
         try:
             for p in procs:
                 p.start()
-            self._wait_for_workers(rc.tp_setup_timeout_s)
-            step = timedelta(seconds=rc.tp_timeout_s)
+            self._wait_for_workers(rc.tp_setup_timeout_s, size - 1)
+            setup, step = timedelta(seconds=rc.tp_setup_timeout_s), timedelta(seconds=rc.tp_timeout_s)
             ranks.groups = connect(store, 0, size, rc.device, setup, step, step)
         except BaseException:
             self._finalizer()
             raise
         self.driver = DriverRank(size, ranks.groups, ranks)
-        threading.Thread(target=_watch, args=(ranks, stop_r), name="dflash-tp-watchdog", daemon=True).start()
-        logger.info("tensor parallelism: %d ranks (%s), workers %s", size, ranks.groups.backend, self.pids)
+        return stop_r
 
-    def _wait_for_workers(self, timeout: float, workers: int | None = None) -> None:
+    def _wait_for_workers(self, timeout: float, workers: int) -> None:
         """Until every worker has joined the store; a worker that exits first is an error."""
         ranks = self._ranks
-        keys = [f"rank{r}/joined" for r in range(1, (len(ranks.procs) if workers is None else workers) + 1)]
+        keys = [f"rank{r}/joined" for r in range(1, workers + 1)]
         deadline = time.monotonic() + timeout
         while not ranks.store.check(keys):
             dead = ranks.dead()
@@ -297,15 +305,5 @@ class LauncherExecutor(Executor):
                 raise SystemExit(1) from e
             logger.info("tensor-parallel rank %d: rank 0 stopped the engine; exiting", rank)
             raise SystemExit(0)
-        self._ranks = ranks = _Ranks([], store)
-        _, stop_w = mp.Pipe(duplex=False)
-        self._finalizer = weakref.finalize(self, _shutdown, ranks, stop_w)
-        try:
-            self._wait_for_workers(rc.tp_setup_timeout_s, size - 1)
-            step = timedelta(seconds=rc.tp_timeout_s)
-            ranks.groups = connect(store, 0, size, rc.device, setup, step, step)
-        except BaseException:
-            self._finalizer()
-            raise
-        self.driver = DriverRank(size, ranks.groups, ranks)
-        logger.info("tensor parallelism: %d ranks started by torchrun (%s)", size, ranks.groups.backend)
+        self._drive(rc, store, [])
+        logger.info("tensor parallelism: %d ranks started by torchrun (%s)", size, self._ranks.groups.backend)
