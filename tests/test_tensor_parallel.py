@@ -289,30 +289,32 @@ def trained_reference(trained):
                            tau=on.stats().mean_acceptance_length)
 
 
-def test_tp2_spec_on_equals_tp1_with_trained_draft_under_pressure(trained, trained_reference):
-    ref = trained_reference
-    llm = LLM(model=str(trained.target), device="cpu", speculative_config=spec(trained.draft),
-              tensor_parallel_size=TP, **PRESSURE)
+def check_tp2_equals_tp1(target, draft, ref, kw: dict, alone: int, alone_tokens: int):
+    """TP = 2 under pressure against TP = 1's `ref`: the same tokens at c = 8 with preemption,
+    the same acceptance counters when drafting, the first `alone` prompts one at a time (c = 1,
+    `alone_tokens` tokens), every page free again. Returns the stats."""
+    llm = LLM(model=str(target), device="cpu", speculative_config=None if draft is None else spec(draft),
+              tensor_parallel_size=TP, **kw)
     try:
         assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
         st = llm.stats()
-        assert st.num_preemptions > 0 and st.mean_acceptance_length > 2.0
-        assert spec_counts(st) == ref.spec and st.mean_acceptance_length == ref.tau
-        assert one_by_one(llm, ref.ps[:3], 24) == [t[:24] for t in ref.tokens[:3]]  # c = 1
+        assert st.num_preemptions > 0
+        if draft is not None:
+            assert spec_counts(st) == ref.spec
+        assert one_by_one(llm, ref.ps[:alone], alone_tokens) == [t[:alone_tokens] for t in ref.tokens[:alone]]
         assert llm.engine.scheduler.num_free_pages == llm.engine.scheduler.num_usable_pages
+        return st
     finally:
         llm.engine.close()
+
+
+def test_tp2_spec_on_equals_tp1_with_trained_draft_under_pressure(trained, trained_reference):
+    st = check_tp2_equals_tp1(trained.target, trained.draft, trained_reference, PRESSURE, 3, 24)
+    assert st.mean_acceptance_length > 2.0 and st.mean_acceptance_length == trained_reference.tau
 
 
 def test_tp2_spec_off_equals_tp1_under_pressure(trained, trained_reference):
-    ref = trained_reference
-    llm = LLM(model=str(trained.target), device="cpu", speculative_config=None, tensor_parallel_size=TP, **PRESSURE)
-    try:
-        assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
-        assert llm.stats().num_preemptions > 0
-        assert one_by_one(llm, ref.ps[:2], 16) == [t[:16] for t in ref.tokens[:2]]  # c = 1
-    finally:
-        llm.engine.close()
+    check_tp2_equals_tp1(trained.target, None, trained_reference, PRESSURE, 2, 16)
 
 
 # A hybrid target under pressure: a 12-token budget chunks every prefill; a page holds KV or one
@@ -338,30 +340,12 @@ def hybrid_reference(hybrid_pair):
 
 
 def test_tp2_hybrid_spec_on_equals_tp1_under_pressure(hybrid_pair, hybrid_reference):
-    target, draft = hybrid_pair
-    ref = hybrid_reference
-    llm = LLM(model=str(target), device="cpu", speculative_config=spec(draft), tensor_parallel_size=TP,
-              **HYBRID_PRESSURE)
-    try:
-        assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
-        st = llm.stats()
-        assert st.num_preemptions > 0 and spec_counts(st) == ref.spec
-        assert one_by_one(llm, ref.ps[:2], 8) == [t[:8] for t in ref.tokens[:2]]  # c = 1
-        assert llm.engine.scheduler.num_free_pages == llm.engine.scheduler.num_usable_pages
-    finally:
-        llm.engine.close()
+    check_tp2_equals_tp1(*hybrid_pair, hybrid_reference, HYBRID_PRESSURE, 2, 8)
 
 
 def test_tp2_hybrid_spec_off_equals_tp1_under_pressure(hybrid_pair, hybrid_reference):
-    ref = hybrid_reference
-    llm = LLM(model=str(hybrid_pair[0]), device="cpu", speculative_config=None, tensor_parallel_size=TP,
-              **{**HYBRID_PRESSURE, "num_gpu_blocks_override": 6})
-    try:
-        assert tokens(llm.generate(ref.ps, ref.params, use_tqdm=False)) == ref.tokens  # c = 8
-        assert llm.stats().num_preemptions > 0
-        assert one_by_one(llm, ref.ps[:2], 8) == [t[:8] for t in ref.tokens[:2]]  # c = 1
-    finally:
-        llm.engine.close()
+    check_tp2_equals_tp1(hybrid_pair[0], None, hybrid_reference, {**HYBRID_PRESSURE, "num_gpu_blocks_override": 6},
+                         2, 8)
 
 
 def test_tp2_llama_replicated_kv_head_biases_and_sampling(llama_pair):
