@@ -19,7 +19,9 @@ and which op makes a row's bits depend on the step it runs in.
            (the patch run 27 measured; the kernel has floored its tile at 16 rows since
            416cce3, so on that code tile16 changes nothing and `default` is the rule);
   logits   the logits from the exact GEMM (kernels/gemm.py, float32 out);
-  gemm     every Linear through the exact GEMM.
+  gemm     every Linear through the exact GEMM;
+  nosplit  every default-mode attention call in one split (no flash-decoding partials);
+  eager    both engines with enforce_eager=True (no CUDA graphs): tells graph capture apart.
 """
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ def patch(variant: str) -> None:
     from dflash_engine.ops import dispatch
 
     parts = set(variant.split("+")) - {"default"}
-    unknown = parts - {"tile16", "logits", "gemm"}
+    unknown = parts - {"tile16", "logits", "gemm", "nosplit", "eager"}
     if unknown:
         raise SystemExit(f"unknown variant part(s): {sorted(unknown)}")
     if "tile16" in parts:
@@ -133,6 +135,17 @@ def patch(variant: str) -> None:
         from dflash_engine.kernels import gemm
 
         dispatch.linear = lambda x, weight, bias, bi: gemm.matmul(x, weight, bias)
+    if "nosplit" in parts:
+        from dflash_engine.kernels import attention
+
+        kernel = attention.paged_attention
+
+        def one_split(*a, **kw):
+            if not kw.get("exact"):
+                kw["num_splits"] = 1
+            return kernel(*a, **kw)
+
+        attention.paged_attention = one_split
 
 
 def e2e(args) -> int:
@@ -146,6 +159,8 @@ def e2e(args) -> int:
         for c in [int(x) for x in args.concurrency.split(",")]:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=False, max_model_len=2048,
                       gpu_memory_utilization=0.9, num_gpu_blocks_override=4096)  # a dropped engine's memory is not always given back: a fixed KV pool each
+            if "eager" in args.e2e.split("+"):
+                kw["enforce_eager"] = True
             off, off_tokens = eval_draft.run(None, None, prompts, c, **kw)
             for k in args.draft_lengths.split(","):
                 on, on_tokens = eval_draft.run(None, args.draft, prompts, c, **kw, draft_length=k)

@@ -135,7 +135,7 @@ def test_zero_centred_norm_is_qwen3_5s(dtype, chunked, monkeypatch):
     g = gen(5)
     x = randn(6, 3, 160, g=g, dtype=dtype, scale=2.0)
     res = randn(6, 3, 160, g=g, dtype=dtype)
-    hf = Qwen3_5RMSNorm(160, eps=EPS).to(dtype)
+    hf = Qwen3_5RMSNorm(160, eps=EPS).to(DEV, dtype)
     with torch.no_grad():
         hf.weight.copy_(randn(160, g=g, dtype=dtype, scale=0.1))
         ref = hf(x)
