@@ -432,13 +432,49 @@ def test_hung_worker_is_bounded_by_the_step_timeout(qwen3_dir, monkeypatch):
         engine.close()
 
 
+# ---- the decode-graph runner under TP (kernel path) -----------------------------------------
+
+
+def test_tp2_decode_graph_runner_equals_tp1(qwen3_dir, random_draft_dir, monkeypatch):
+    """The kernel path under TP = 2: every rank builds the decode-graph runners and a
+    pure-decode step goes through them (on a GPU: graphs captured with the all-reduces inside;
+    here the interpreter runs the same fixed-shape step eagerly), other steps run eagerly; the
+    tokens equal TP = 1's on the same path."""
+    from dflash_engine.worker.graph_runner import GraphRunner
+
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")  # inherited by the spawned worker
+    runs = []
+    real_run = GraphRunner.run
+    monkeypatch.setattr(GraphRunner, "run", lambda self, *a: runs.append(len(a[0])) or real_run(self, *a))
+    ps = [{"prompt_token_ids": p} for p in ([5, 9, 14, 3, 7], [21, 8, 30, 30, 2, 6, 17])]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(model=str(qwen3_dir), device="cpu", speculative_config=spec(random_draft_dir), max_num_seqs=2,
+              max_model_len=64)
+    ref = LLM(**kw)
+    assert ref.engine.runner.graphs
+    want = tokens(ref.generate(ps, params, use_tqdm=False))
+    n_ref = len(runs)
+    assert n_ref > 0
+    del ref
+    runs.clear()
+    llm = LLM(**kw, tensor_parallel_size=TP)
+    try:
+        assert llm.engine.runner.graphs and llm.engine.runner.tp is not None
+        assert tokens(llm.generate(ps, params, use_tqdm=False)) == want
+        assert len(runs) == n_ref  # the same steps took the graph runner as at TP = 1
+    finally:
+        llm.engine.close()
+
+
 # ---- ranks started by torchrun (--distributed-executor-backend external_launcher) -------------
 
 
-def test_torchrun_ranks_equal_tp1(qwen3_dir, random_draft_dir, capsys):
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_torchrun_ranks_equal_tp1(qwen3_dir, random_draft_dir, capsys, nproc):
     """`torchrun --nproc-per-node 2 -m dflash_engine.cli generate ... -tp 2
     --distributed-executor-backend external_launcher`: rank 0 runs the engine and prints, rank 1
-    serves its steps and exits with it; the output equals TP = 1's (float32, exact mode)."""
+    serves its steps and exits with it; the output equals TP = 1's (float32, exact mode). One
+    torchrun rank (-tp 1) runs the same distributed path alone (groups, broadcast, collectives)."""
     import json
     import subprocess
     import sys
@@ -451,8 +487,8 @@ def test_torchrun_ranks_equal_tp1(qwen3_dir, random_draft_dir, capsys):
     ref = capsys.readouterr().out
     assert ref.count("\n") == 2
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "dflash_engine.cli", *args, "-tp", "2",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                          "-m", "dflash_engine.cli", *args, "-tp", str(nproc),
                           "--distributed-executor-backend", "external_launcher"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-4000:]

@@ -17,5 +17,6 @@ all-gather: gloo on CPU, NCCL on CUDA). rank.py is what a ModelRunner holds unde
 loaders, the pool-size agreement, the step hook). models/parallel.py is the sharding itself.
 
 At TP = 1 nothing here runs: no process, no group, no communication (engine.py starts an
-executor only for tensor_parallel_size > 1).
+executor only for tensor_parallel_size > 1, or for one torchrun-launched rank: the
+distributed path on one device, what a one-GPU machine can check of it).
 """

@@ -51,10 +51,13 @@ class TensorParallelError(RuntimeError):
 
 
 def start_executor(rc: RuntimeConfig) -> Executor | None:
-    """None at tensor_parallel_size 1 (today's path: no process, no communication). With
-    torchrun's ranks (tp_launcher "external_launcher") ranks >= 1 never return from here:
-    they serve rank 0's steps, then exit the process (`LauncherExecutor`)."""
-    if rc.tensor_parallel_size == 1:
+    """None at tensor_parallel_size 1 (today's path: no process, no communication), except
+    under torchrun: `torchrun --nproc-per-node 1 ... --distributed-executor-backend
+    external_launcher` runs one rank through the distributed path (its groups, the step
+    broadcast, NCCL collectives inside the decode graphs): what one GPU can check of it.
+    With torchrun's ranks, ranks >= 1 never return from here: they serve rank 0's steps,
+    then exit the process (`LauncherExecutor`)."""
+    if rc.tensor_parallel_size == 1 and rc.tp_launcher != "external_launcher":
         return None
     if rc.tp_launcher == "external_launcher":
         return LauncherExecutor(rc)

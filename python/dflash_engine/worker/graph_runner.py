@@ -58,10 +58,14 @@ class GraphRunner:
 
     def __init__(self, models: StepModels, timer: StepTimer, *, block_rows: int, draft_rows: int,
                  max_num_seqs: int, page_table_width: int, enforce_eager: bool, capture_buckets: list[int],
-                 device: torch.device, hybrid: bool = False):
+                 device: torch.device, hybrid: bool = False, collectives: bool = False):
         """draft_rows: D of this B's draft pass (0: none); capture_buckets: those captured at
-        startup (others on first use); hybrid: the target keeps recurrent state in slots."""
+        startup (others on first use); hybrid: the target keeps recurrent state in slots;
+        collectives: the step all-reduces across tensor-parallel ranks (NCCL kernels inside
+        the graphs; captured in thread-local mode so that the process group's watchdog
+        thread, which polls its events, does not invalidate the capture)."""
         self.models, self.timer, self.device = models, timer, device
+        self.collectives = collectives
         self.b, self.d, self.width, self.hybrid = block_rows, draft_rows, page_table_width, hybrid
         self.buckets = batch_buckets(max_num_seqs)
         self.capture_buckets = sorted(capture_buckets)
@@ -229,7 +233,7 @@ class GraphRunner:
                 self.step(bs, all_greedy)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local" if self.collectives else "global"):
             self.step(bs, all_greedy)
         if self.pool is None:
             self.pool = g.pool()

@@ -52,7 +52,9 @@ class ModelRunner:
         self.device = rc.device
         # ---- tensor parallelism (distributed/; None at TP = 1) ----------------------------
         # This rank's shard of the models; its KV pool holds its kv heads (the per-rank config
-        # views); no decode graphs and no fast CPU backend; every rank agrees on the pool size.
+        # views); no fast CPU backend; every rank agrees on the pool size. Every rank captures
+        # the same decode graphs in the same order (their all-reduces inside) and replays the
+        # one the broadcast plan selects, so the collectives of all ranks line up.
         self.tp = tp
         shard = None if tp is None else tp.shard
         size = 1 if tp is None else tp.size
@@ -84,13 +86,14 @@ class ModelRunner:
         # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each, one
         # runner per verify block B (several with a draft-length schedule).
         self.graphs: dict[int, GraphRunner] = {}
-        if use_kernels(target.model.embed_tokens.weight) and tp is None:
+        if use_kernels(target.model.embed_tokens.weight):
             width = _core.pages_per_seq(rc.max_model_len, rc.reserve_rows, rc.page_size)
             for k in rc.draft_lengths:  # the longest block first: it sizes the shared graph pool
                 self.graphs[k + 1] = GraphRunner(
                     self.models, self.step_timer, block_rows=k + 1, draft_rows=rc.draft_rows_for(k + 1),
                     max_num_seqs=rc.max_num_seqs, page_table_width=width, enforce_eager=rc.enforce_eager,
-                    capture_buckets=self._buckets_for(k), device=rc.device, hybrid=rc.hybrid)
+                    capture_buckets=self._buckets_for(k), device=rc.device, hybrid=rc.hybrid,
+                    collectives=tp is not None)
         capturing = any(not g.enforce_eager for g in self.graphs.values())
         self.memory: MemoryReport = size_kv_pool(rc, self.bytes_per_page, self.profile, capturing,
                                                  self.state_layout.bytes_per_slot if self.state_layout else 0)
@@ -201,7 +204,12 @@ class ModelRunner:
         """Launch the step's device work (in_flight.py). `st`: per sample row, the owning
         request's sampling parameters (numpy)."""
         if self.tp is not None:  # tensor parallel: the driver sends the step to the workers first
-            return self.tp.launch(plan, st, all_greedy, self._launch_eager)
+            return self.tp.launch(plan, st, all_greedy, self._launch_here)
+        return self._launch_here(plan, st, all_greedy)
+
+    def _launch_here(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
+        """This rank's launch: a pure-decode step replays its batch bucket's graph, any other
+        runs eagerly. The choice reads the plan alone: under TP every rank makes the same one."""
         if self.graphs and plan.num_decode == len(plan):
             return self.graphs[plan.block_rows].run(plan, st, all_greedy)
         return self._launch_eager(plan, st, all_greedy)
