@@ -495,6 +495,34 @@ def test_torchrun_ranks_equal_tp1(qwen3_dir, random_draft_dir, capsys, nproc):
     assert run.stdout == ref
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_torchrun_on_cuda_with_graphs_equals_one_process(qwen3_dir, random_draft_dir, tmp_path):
+    """On CUDA: torchrun ranks (2 where the machine has two GPUs, else one) over NCCL, with the
+    decode graphs captured around the all-reduces, print what one plain process prints
+    (float32, spec on)."""
+    import json
+    import subprocess
+    import sys
+
+    n = min(2, torch.cuda.device_count())
+    cli = tmp_path / "cli.py"  # the CLI with INFO logging on stderr (the capture and backend lines)
+    cli.write_text("import logging, sys\nlogging.basicConfig(level=logging.INFO)\n"
+                   "from dflash_engine.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    args = [str(cli), "generate", "hello world", "the quick brown fox jumps", "--model",
+            str(qwen3_dir), "--device", "cuda", "--dtype", "float32", "--max-tokens", "16",
+            "--speculative-config", json.dumps(spec(random_draft_dir))]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET")}
+    ref = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                          *args, "-tp", str(n), "--distributed-executor-backend", "external_launcher"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "captured" in run.stderr and "nccl" in run.stderr, run.stderr[-4000:]
+    assert run.stdout == ref.stdout
+
+
 def test_external_launcher_needs_torchruns_environment(qwen3_dir, monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
