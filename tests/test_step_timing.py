@@ -156,3 +156,16 @@ def test_bench_reports_gpu_idle_per_step_per_rung(spec_on_server, tmp_path, caps
         assert 0 <= rung["idle_pct"] < 100
     table = capsys.readouterr().out
     assert "idle ms/step" in table and "idle %" in table
+
+
+def test_tagged_steps_add_up_per_tag(monkeypatch):
+    clock = iter([0.0, 1.0, 3.0, 3.5, 10.0, 10.25, 20.0, 21.0])
+    monkeypatch.setattr(step_timer.time, "perf_counter", lambda: next(clock))
+    t = StepTimer(torch.device("cpu"))
+    for tag in [(1, 3), None, (1, 3), (4, 0)]:
+        t.begin(tag)
+        t.end()
+    t.resolve()
+    assert t.take_by_tag() == {(1, 3): (1.25, 2), (4, 0): (1.0, 1)}
+    assert t.take_by_tag() == {}
+    assert t.totals()[0] == 1.0 + 0.5 + 0.25 + 1.0

@@ -27,6 +27,7 @@ from .request_state import RequestState
 from .runtime_config import resolve
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
+from .worker import step_costs
 from .worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -62,26 +63,31 @@ class EngineStats:
         return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
-class _HostGap:
-    """The adaptive policy's cost model, corrected live: the startup table times the device
-    work of a step; every step also costs the host time the device waits for (schedule,
-    commit, outputs: the step timer's idle time). Every `EVERY` steps, the mean of that gap
-    over the last window is added to every cell and the table goes to the core again (a
-    constant per step favours longer blocks: each step's fixed cost buys more tokens)."""
+class _LiveCosts:
+    """The adaptive policy's cost model, corrected live. The startup table times a few
+    steps of each (batch bucket, K); every `EVERY` steps the engine's own pure-decode steps
+    refine it (worker/step_costs.py LiveCosts: their measured busy time per cell), and the
+    mean host time the device waited for between steps over the window (schedule, commit,
+    outputs: the step timer's idle time) is added to every cell (a constant per step favours
+    longer blocks: each step's fixed cost buys more tokens). The table then goes to the core
+    again."""
 
     EVERY = 128
 
-    def __init__(self) -> None:
+    def __init__(self, startup: step_costs.StepCosts) -> None:
+        self.costs = step_costs.LiveCosts(startup)
         self.last = (0.0, 0)
 
     def update(self, engine: LLMEngine) -> None:
-        _, idle, steps = engine.runner.step_timer.totals()
+        timer = engine.runner.step_timer
+        _, idle, steps = timer.totals()
         if steps - self.last[1] < self.EVERY:
             return
         gap = (idle - self.last[0]) / (steps - self.last[1])
         self.last = (idle, steps)
-        c = engine.runner.step_costs
-        engine.scheduler.set_step_costs(c.buckets, c.ks, [[s + gap for s in row] for row in c.seconds])
+        self.costs.observe(timer.take_by_tag())
+        c = self.costs.startup
+        engine.scheduler.set_step_costs(c.buckets, c.ks, self.costs.seconds(gap))
 
 
 class FaultInjector:
@@ -124,7 +130,7 @@ class LLMEngine:
             draft_block_rows=rc.draft_rows,
             state_slots=rc.hybrid,  # a hybrid target's recurrent-state slots: pages of the same pool
         )
-        self._host_gap = _HostGap() if self.runner.step_costs is not None else None
+        self._live_costs = _LiveCosts(self.runner.step_costs) if self.runner.step_costs is not None else None
         if self.runner.step_costs is not None:  # the adaptive policy's cost model, measured at startup
             c = self.runner.step_costs
             self.scheduler.set_step_costs(c.buckets, c.ks, c.seconds)
@@ -290,8 +296,8 @@ class LLMEngine:
     def _land(self, plan, flight):
         """Wait for a launched step and commit it; returns the core's CommitResult."""
         accepted, sampled = self.runner.wait(flight)
-        if self._host_gap is not None:
-            self._host_gap.update(self)
+        if self._live_costs is not None:
+            self._live_costs.update(self)
         result = self.scheduler.commit(plan, accepted, sampled)
         self._record_spec(plan, accepted)
         return result

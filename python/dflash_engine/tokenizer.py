@@ -255,21 +255,28 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
         self.text = ""
         # Start the window a few prompt tokens back so the first token decodes in context
         # (e.g. SentencePiece leading-space handling); those tokens are never emitted.
-        self._ctx = list(prompt_ids[-5:]) if prompt_ids else []
-        self._prefix = 0  # window start (index into ctx + ids)
-        self._read = len(self._ctx)  # everything before this index has been emitted
+        # `_all` = those context tokens + every generated id, extended in place: a step
+        # decodes two short windows of it, never copying the whole history.
+        self._all: list[int] = list(prompt_ids[-5:]) if prompt_ids else []
+        self._num_ctx = len(self._all)
+        self._prefix = 0  # window start (index into _all)
+        self._read = self._num_ctx  # everything before this index has been emitted
+
+    @property
+    def ids(self) -> list[int]:
+        """The generated ids fed so far (a copy)."""
+        return self._all[self._num_ctx:]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, new_ids: list[int]) -> str:
         """Feed newly generated token ids; return the newly completed text."""
-        self.ids.extend(new_ids)
-        all_ids = self._ctx + self.ids
+        all_ids = self._all
+        all_ids.extend(new_ids)
         prefix_text = self._decode(all_ids[self._prefix : self._read])
         full = self._decode(all_ids[self._prefix :])
         if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
@@ -281,7 +288,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """End of stream: emit whatever is still held back (may contain U+FFFD)."""
-        all_ids = self._ctx + self.ids
+        all_ids = self._all
         prefix_text = self._decode(all_ids[self._prefix : self._read])
         full = self._decode(all_ids[self._prefix :])
         delta = full[len(prefix_text) :]

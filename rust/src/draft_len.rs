@@ -14,9 +14,13 @@
 //! Acceptance is measured live: `p_j` = P(draft j accepted | drafts 1..j-1 were). A request that
 //! was proposed `d` drafts and accepted `a` tells: positions 1..a accepted, position a+1 rejected
 //! if a < d, nothing past a+1. Counts decay exponentially: the global ones once per committed
-//! step with decoding requests (a step with k = 0 learns nothing but still ages them, so
-//! estimates drift back to the prior and the policy explores longer blocks again), a request's
-//! own once per step of that request.
+//! step that drafted (a step with k = 0 learns nothing and leaves them as they are: were it to
+//! age them, a stretch of plain steps would pull the estimates back to the prior, and a prior
+//! below the break-even of the measured costs would keep the policy from drafting on traffic
+//! whose measured acceptance pays), a request's own once per step of that request (so that a
+//! request that stopped drafting after a bad stretch returns to the global estimate). After
+//! [`EXPLORE_AFTER`] plain steps in a row one step drafts: how the estimates learn that traffic
+//! changed while nothing was drafted.
 //!
 //! ```text
 //!   global   g_j   = (accepts_j + W·prior_j) / (trials_j + W)        prior_1 = PRIOR_FIRST,
@@ -33,9 +37,8 @@ use std::collections::HashMap;
 
 use crate::error::{CoreError, CoreResult};
 
-/// Global counts decay by this factor once per committed step with decoding requests: a
-/// half-life of ~34 steps, enough samples at batch 1, quick to follow a new workload, and
-/// what bounds how long a policy that stopped drafting waits before it tries again.
+/// Global counts decay by this factor once per committed step that drafted: a half-life of
+/// ~34 drafting steps, enough samples at batch 1, quick to follow a new workload.
 pub const GLOBAL_DECAY: f64 = 0.98;
 /// A request's counts decay by this factor once per step of that request (half-life ~7
 /// steps): acceptance follows what the request is writing now (code, prose, a list).
@@ -344,12 +347,12 @@ impl DraftLen {
     }
 
     /// Learn from one committed step: `(handle, drafts proposed, drafts accepted)` of each of
-    /// its decoding requests still live. Global counts age once if there is any.
+    /// its decoding requests still live. Global counts age once if any of them drafted.
     pub(crate) fn observe_step(&mut self, results: impl IntoIterator<Item = (u64, usize, usize)>) {
         let mut aged = false;
         for (h, num_drafts, accepted) in results {
             debug_assert!(accepted <= num_drafts && num_drafts <= self.k_max);
-            if !aged {
+            if !aged && num_drafts > 0 {
                 self.global.decay(GLOBAL_DECAY);
                 aged = true;
             }
@@ -616,21 +619,53 @@ mod tests {
 
     #[test]
     fn after_giving_up_on_drafting_the_policy_explores_again() {
-        // Everything rejected: k = 0. Steps of k = 0 teach nothing but age the counts, so the
-        // estimates drift back to the prior and a block is tried again within a bounded time.
+        // Everything rejected: k = 0. Steps of k = 0 teach nothing and leave the global counts
+        // alone; after EXPLORE_AFTER of them in a row one step drafts (what the scheduler
+        // records through record_choice), then plain steps again while nothing is accepted.
         let mut d = adaptive(4, (0..=4).collect());
         d.set_step_costs(costs(vec![1], (0..=4).collect(), vec![vec![1.0, 1.1, 1.2, 1.3, 1.4]])).unwrap();
         for _ in 0..50 {
             d.observe_step([(1, 4, 0)]);
         }
-        assert_eq!(d.choose(&[1]), 0);
-        let mut steps = 0;
-        while d.choose(&[1]) == 0 {
-            d.observe_step([(1, 0, 0)]);
-            steps += 1;
-            assert!(steps < 1000, "never explored again");
+        let global = d.global.clone();
+        let mut probes = vec![];
+        for step in 0..3 * (EXPLORE_AFTER + 1) {
+            let k = d.choose(&[1]);
+            d.record_choice(k);
+            if k > 0 {
+                probes.push(step);
+            }
+            d.observe_step([(1, k, 0)]);
         }
-        assert!(steps > 10, "explored after {steps} steps: too eagerly");
+        let e = EXPLORE_AFTER;
+        assert_eq!(probes, vec![e, 2 * e + 1, 3 * e + 2], "one probe after every {e} plain steps");
+        assert!(d.global.trials[0] > global.trials[0], "the probes were learnt from");
+    }
+
+    #[test]
+    fn plain_steps_keep_the_global_estimate_and_a_request_returns_to_it() {
+        // Traffic that pays at its measured acceptance (p = 0.75: k = 3 gives 2.9 tokens for
+        // 2.16x a plain step's cost, while the prior's 2.08 would not pay). One request has a
+        // bad stretch and stops drafting; its plain steps fade its own counts, not the global
+        // ones, so it drafts again long before the exploration rule would make it.
+        let mut d = adaptive(3, vec![0, 1, 3]);
+        measured(&mut d, &[0.75, 0.75, 0.75]);
+        d.set_step_costs(costs(vec![1], vec![0, 1, 3], vec![vec![1.0, 1.5, 2.16]])).unwrap();
+        assert_eq!(d.choose(&[1]), 3);
+        for _ in 0..6 {
+            d.observe_step([(1, 3, 0)]); // the bad stretch (the global counts learn it too)
+        }
+        assert_eq!(d.choose(&[1]), 0);
+        let g = d.global_estimates();
+        let mut plain = 0;
+        while d.choose(&[1]) == 0 {
+            d.record_choice(0);
+            d.observe_step([(1, 0, 0)]);
+            plain += 1;
+            assert_eq!(d.global_estimates(), g, "a plain step leaves the global estimate");
+            assert!(plain < EXPLORE_AFTER, "the request never returned to the global estimate");
+        }
+        assert!(plain >= 2, "drafted again at once: the bad stretch was not heeded");
     }
 
     #[test]

@@ -137,13 +137,16 @@ impl DraftLenRef {
         }
     }
 
-    /// One commit: (handle, drafts, accepted) of its decode entries still live.
+    /// One commit: (handle, drafts, accepted) of its decode entries still live. The global
+    /// counts age once if the step drafted (a plain step teaches nothing and ages nothing).
     fn commit(&mut self, results: &[(u64, usize, usize)]) {
         if results.is_empty() {
             return;
         }
         let k = self.k;
-        self.global.0.iter_mut().chain(self.global.1.iter_mut()).for_each(|x| *x *= draft_len::GLOBAL_DECAY);
+        if results.iter().any(|&(_, d, _)| d > 0) {
+            self.global.0.iter_mut().chain(self.global.1.iter_mut()).for_each(|x| *x *= draft_len::GLOBAL_DECAY);
+        }
         for &(h, d, a) in results {
             Self::observe(&mut self.global, 1.0, d, a);
             let own = self.requests.entry(h).or_insert_with(|| (vec![0.0; k], vec![0.0; k]));

@@ -253,7 +253,7 @@ class GraphRunner:
             self.reset_inputs()
             self._capture_one(bs, all_greedy)
         self._stage(plan, st, bs)
-        self.timer.begin()  # the step's first launch follows: the two input copies
+        self.timer.begin((bs, self.b - 1))  # the step's first launch follows: the two input copies
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_f32.copy_(self.host_f32, non_blocking=True)
         if self.enforce_eager:

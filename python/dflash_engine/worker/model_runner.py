@@ -82,6 +82,7 @@ class ModelRunner:
         self.models = StepModels(target=target, draft=draft, kv=None, tap_layers=list(rc.tap_layers or []) or None,
                                  synthetic_rates=rates)
         self.step_timer = StepTimer(rc.device)
+        self._buckets = batch_buckets(rc.max_num_seqs)
         self.bytes_per_page = KVCache.bytes_per_page(self.target_config, self.draft_config, rc.page_size, rc.dtype)
         # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each, one
         # runner per verify block B (several with a draft-length schedule).
@@ -222,7 +223,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch_eager(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
-        self.step_timer.begin()  # the step's first launch follows (busy/idle marks: step_timer.py)
+        tag = None  # a pure-decode step's (batch bucket, K): its time refines the adaptive policy's costs
+        if plan.num_decode == len(plan):
+            tag = (next((b for b in self._buckets if b >= len(plan)), self._buckets[-1]), plan.block_rows - 1)
+        self.step_timer.begin(tag)  # the step's first launch follows (busy/idle marks: step_timer.py)
         accepted, sampled = run_step(self.models, StepInputs.from_plan(plan, st, self.device), all_greedy)
         r = len(plan)
         rest = torch.zeros(r - (0 if accepted is None else accepted.shape[0]), dtype=torch.int64, device=self.device)

@@ -34,7 +34,9 @@ class StepTimer:
         self.steps = 0
         self._prev_end = None  # end mark of the latest step; None: paused (next gap not counted)
         self._start = None  # begin mark of the step in flight
-        self._pending: list[tuple] = []  # (gap start or None, begin, end), oldest first
+        self._tag = None  # the step in flight's (batch bucket, K), or None (step_costs.LiveCosts)
+        self._pending: list[tuple] = []  # (gap start or None, begin, end, tag), oldest first
+        self.by_tag: dict[tuple[int, int], list] = {}  # tag -> [busy seconds, steps] (take_by_tag)
 
     def _mark(self):
         if not self.cuda:
@@ -46,15 +48,17 @@ class StepTimer:
     def _seconds(self, a, b) -> float:
         return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
 
-    def begin(self) -> None:
+    def begin(self, tag: tuple[int, int] | None = None) -> None:
+        """`tag`: a pure-decode step's (batch bucket, K), whose busy time also adds up per
+        tag (the adaptive draft length's live costs); None for other steps."""
         self.resolve()
-        self._start = self._mark()
+        self._start, self._tag = self._mark(), tag
 
     def end(self) -> None:
         if self._start is None:
             return
         end = self._mark()
-        self._pending.append((self._prev_end, self._start, end))
+        self._pending.append((self._prev_end, self._start, end, self._tag))
         self._prev_end, self._start = end, None
 
     def pause(self) -> None:
@@ -68,12 +72,23 @@ class StepTimer:
     def resolve(self) -> None:
         """Add up every step whose marks are complete; never waits (engine thread only)."""
         done = 0
-        for gap_start, start, end in self._pending:
+        for gap_start, start, end, tag in self._pending:
             if self.cuda and not end.query():
                 break  # events complete in stream order: the later ones are not done either
-            self.busy_seconds += self._seconds(start, end)
+            busy = self._seconds(start, end)
+            self.busy_seconds += busy
+            if tag is not None:
+                cell = self.by_tag.setdefault(tag, [0.0, 0])
+                cell[0] += busy
+                cell[1] += 1
             if gap_start is not None:
                 self.idle_seconds += self._seconds(gap_start, start)
             self.steps += 1
             done += 1
         del self._pending[:done]
+
+    def take_by_tag(self) -> dict[tuple[int, int], tuple[float, int]]:
+        """The tagged steps' (busy seconds, steps) per tag since the last take; cleared."""
+        out = {tag: (sec, n) for tag, (sec, n) in self.by_tag.items()}
+        self.by_tag = {}
+        return out
