@@ -1,6 +1,6 @@
 """Host time of an engine step with the device taken out (issue 22, item 4).
 
-Usage: python bench/host_step.py [--c 32] [--k 15] [--steps 400] [--profile]
+Usage: python bench/host_step.py [--c 32] [--k 15] [--steps 100] [--profile]
 
 The embedded SmolLM2 engine (its tokenizer, vocabulary and shipped draft) on the CPU, with the
 runner's `launch` replaced by a stub that returns at once: random acceptance (0..K drafts) and
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--c", type=int, default=32)
     ap.add_argument("--k", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=100, help="timed steps (at K = 15 ~8 tokens each: 2k context)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-overlap", action="store_true", help="the synchronous step")
@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_engine.worker.in_flight import InFlight
 
     spec = {"method": "dflash", "num_speculative_tokens": args.k, "draft_length": "fixed"} if args.k else "none"
+    max_len = 2048  # a pool that holds every request whole: no preemption in the timed steps
     engine = LLMEngine(EngineConfig(model="default", speculative_config=spec, max_num_seqs=args.c,
-                                    max_model_len=8192, device="cpu"))
+                                    max_model_len=max_len, device="cpu",
+                                    num_gpu_blocks_override=args.c * (max_len // 16 + 2)))
     engine.overlap = not args.no_overlap
     runner = engine.runner
     rng = np.random.default_rng(0)
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return InFlight(lambda: (accepted, sampled), runner.device)
 
     runner.launch = launch
-    params = SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_len - args.prompt_len - 64, ignore_eos=True)
     for i in range(args.c):
         engine.add_request(f"r{i}", rng.integers(100, vocab - 100, args.prompt_len).tolist(), params)
     while engine.scheduler.num_running < args.c or engine.scheduler.num_waiting:
@@ -81,6 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     engine._record_spec = timed("spec stats", engine._record_spec)
     runner.launch = timed("launch (stub)", runner.launch)
     runner.wait = timed("wait (unpack)", runner.wait)
+    # The critical path: from a step's results being back (wait returns) to the next launch.
+    gap = {"last": None, "sum": 0.0, "n": 0}
+    launch_inner, wait_inner = runner.launch, runner.wait
+
+    def launch_gap(*a):
+        if gap["last"] is not None:
+            gap["sum"] += time.perf_counter() - gap["last"]
+            gap["n"] += 1
+        return launch_inner(*a)
+
+    def wait_gap(*a):
+        out = wait_inner(*a)
+        gap["last"] = time.perf_counter()
+        return out
+
+    runner.launch, runner.wait = launch_gap, wait_gap
     raw_schedule, raw_commit = sched.schedule, sched.commit
 
     class Core:  # the core object's methods cannot be reassigned: proxy the two timed ones
@@ -107,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.steps} steps, {n_out / args.steps:.1f} outputs a step)")
     for name, sec in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<22} {sec / args.steps * 1e6:8.1f} us  {100 * sec / wall:5.1f}%")
+    if gap["n"]:
+        print(f"  critical path (results back -> next launch): {gap['sum'] / gap['n'] * 1e6:.1f} us")
     rest = wall - sum(parts.values())
     print(f"  {'rest (step body)':<22} {rest / args.steps * 1e6:8.1f} us  {100 * rest / wall:5.1f}%")
     if prof:

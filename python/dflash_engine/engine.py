@@ -155,6 +155,8 @@ class LLMEngine:
         # stepping thread) rather than into step()'s return value.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
         self._pending = None  # the latest step's committed result, not yet turned into outputs
+        self._sampling_cache = None  # (plan key, per-row sampling arrays): _sampling_arrays
+        self._spec_backlog: list[tuple[np.ndarray, np.ndarray]] = []  # committed, not yet in _stats
 
     @property
     def overlap(self) -> bool:
@@ -299,7 +301,8 @@ class LLMEngine:
         if self._live_costs is not None:
             self._live_costs.update(self)
         result = self.scheduler.commit(plan, accepted, sampled)
-        self._record_spec(plan, accepted)
+        # Counted with the outputs (_take_outputs: off the critical path when overlapped).
+        self._spec_backlog.append((plan.num_drafts, accepted))
         return result
 
     def _abandon(self, plan, flight) -> None:
@@ -311,6 +314,9 @@ class LLMEngine:
             self.scheduler.cancel(plan)
 
     def _take_outputs(self) -> list[RequestOutput]:
+        for num_drafts, accepted in self._spec_backlog:
+            self._record_spec(num_drafts, accepted)
+        self._spec_backlog.clear()
         result, self._pending = self._pending, None
         return self._process(result) if result is not None else []
 
@@ -368,7 +374,20 @@ class LLMEngine:
         return [self._finish(handle, "error", f"engine step failed: {e}")]
 
     def _sampling_arrays(self, plan) -> tuple[dict[str, np.ndarray], bool]:
-        """Per sampled row, its request's parameters; and whether every row is greedy."""
+        """Per sampled row, its request's parameters; and whether every row is greedy. A
+        request's parameters never change and the core never reuses a handle, so a step with
+        the previous step's requests and row counts (steady decoding) reuses its arrays; only
+        the positions are new."""
+        key = (plan.handles.tobytes(), plan.sample_start.tobytes())
+        position = plan.positions[plan.sample_rows] + 1
+        if self._sampling_cache is not None and self._sampling_cache[0] == key:
+            st, all_greedy = self._sampling_cache[1]
+            return {**st, "position": position}, all_greedy
+        st, all_greedy = self._build_sampling_arrays(plan)
+        self._sampling_cache = (key, (st, all_greedy))
+        return {**st, "position": position}, all_greedy
+
+    def _build_sampling_arrays(self, plan) -> tuple[dict[str, np.ndarray], bool]:
         reqs = [self._requests[int(h)] for h in plan.handles]
         counts = np.diff(plan.sample_start)
         vocab = self.model_config.vocab_size
@@ -385,11 +404,9 @@ class LLMEngine:
             "top_p": col([x.top_p for x in p], np.float32),
             "min_p": col([x.min_p for x in p], np.float32),
             "seed": col([r.seed for r in reqs], np.int64),
-            "position": plan.positions[plan.sample_rows] + 1,
         }, all(greedy)
 
-    def _record_spec(self, plan, accepted: np.ndarray) -> None:
-        drafts = plan.num_drafts
+    def _record_spec(self, drafts: np.ndarray, accepted: np.ndarray) -> None:
         spec = drafts > 0
         n = int(spec.sum())
         if n == 0:
