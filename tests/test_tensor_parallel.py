@@ -469,6 +469,20 @@ def test_tp2_decode_graph_runner_equals_tp1(qwen3_dir, random_draft_dir, monkeyp
 # ---- ranks started by torchrun (--distributed-executor-backend external_launcher) -------------
 
 
+def torchrun(n: int, program: list[str], drop_env: tuple[str, ...] = ()):
+    """`torchrun --standalone --nproc-per-node n PROGRAM -tp n --distributed-executor-backend
+    external_launcher` in a subprocess, without this process's torchrun variables (and
+    `drop_env`)."""
+    import subprocess
+    import sys
+
+    drop = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *drop_env)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                           *program, "-tp", str(n), "--distributed-executor-backend", "external_launcher"],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_torchrun_ranks_equal_tp1(qwen3_dir, random_draft_dir, capsys, nproc):
     """`torchrun --nproc-per-node 2 -m dflash_engine.cli generate ... -tp 2
@@ -476,8 +490,6 @@ def test_torchrun_ranks_equal_tp1(qwen3_dir, random_draft_dir, capsys, nproc):
     serves its steps and exits with it; the output equals TP = 1's (float32, exact mode). One
     torchrun rank (-tp 1) runs the same distributed path alone (groups, broadcast, collectives)."""
     import json
-    import subprocess
-    import sys
 
     from dflash_engine.cli import main
 
@@ -486,11 +498,7 @@ def test_torchrun_ranks_equal_tp1(qwen3_dir, random_draft_dir, capsys, nproc):
     assert main(args) == 0
     ref = capsys.readouterr().out
     assert ref.count("\n") == 2
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                          "-m", "dflash_engine.cli", *args, "-tp", str(nproc),
-                          "--distributed-executor-backend", "external_launcher"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    run = torchrun(nproc, ["-m", "dflash_engine.cli", *args])
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout == ref
 
@@ -511,13 +519,10 @@ def test_torchrun_on_cuda_with_graphs_equals_one_process(qwen3_dir, random_draft
     args = [str(cli), "generate", "hello world", "the quick brown fox jumps", "--model",
             str(qwen3_dir), "--device", "cuda", "--dtype", "float32", "--max-tokens", "16",
             "--speculative-config", json.dumps(spec(random_draft_dir))]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET")}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     ref = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
     assert ref.returncode == 0, ref.stderr[-4000:]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                          *args, "-tp", str(n), "--distributed-executor-backend", "external_launcher"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    run = torchrun(n, args, drop_env=("TRITON_INTERPRET",))
     assert run.returncode == 0, run.stderr[-4000:]
     assert "captured" in run.stderr and "nccl" in run.stderr, run.stderr[-4000:]
     assert run.stdout == ref.stdout

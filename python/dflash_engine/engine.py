@@ -63,33 +63,6 @@ class EngineStats:
         return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
-class _LiveCosts:
-    """The adaptive policy's cost model, corrected live. The startup table times a few
-    steps of each (batch bucket, K); every `EVERY` steps the engine's own pure-decode steps
-    refine it (worker/step_costs.py LiveCosts: their measured busy time per cell), and the
-    mean host time the device waited for between steps over the window (schedule, commit,
-    outputs: the step timer's idle time) is added to every cell (a constant per step favours
-    longer blocks: each step's fixed cost buys more tokens). The table then goes to the core
-    again."""
-
-    EVERY = 128
-
-    def __init__(self, startup: step_costs.StepCosts) -> None:
-        self.costs = step_costs.LiveCosts(startup)
-        self.last = (0.0, 0)
-
-    def update(self, engine: LLMEngine) -> None:
-        timer = engine.runner.step_timer
-        _, idle, steps = timer.totals()
-        if steps - self.last[1] < self.EVERY:
-            return
-        gap = (idle - self.last[0]) / (steps - self.last[1])
-        self.last = (idle, steps)
-        self.costs.observe(timer.take_by_tag())
-        c = self.costs.startup
-        engine.scheduler.set_step_costs(c.buckets, c.ks, self.costs.seconds(gap))
-
-
 class FaultInjector:
     """Test hook: override to raise inside a step or while processing one request. Hooks
     see the requests themselves (ids are minted by whoever adds them; prompts are not)."""
@@ -130,8 +103,9 @@ class LLMEngine:
             draft_block_rows=rc.draft_rows,
             state_slots=rc.hybrid,  # a hybrid target's recurrent-state slots: pages of the same pool
         )
-        self._live_costs = _LiveCosts(self.runner.step_costs) if self.runner.step_costs is not None else None
-        if self.runner.step_costs is not None:  # the adaptive policy's cost model, measured at startup
+        # The adaptive policy's cost model: measured at startup, refined live (step_costs.LiveCosts).
+        self._live_costs = None if self.runner.step_costs is None else step_costs.LiveCosts(self.runner.step_costs)
+        if self.runner.step_costs is not None:
             c = self.runner.step_costs
             self.scheduler.set_step_costs(c.buckets, c.ks, c.seconds)
         if rc.draft_config is not None:
@@ -298,8 +272,9 @@ class LLMEngine:
     def _land(self, plan, flight):
         """Wait for a launched step and commit it; returns the core's CommitResult."""
         accepted, sampled = self.runner.wait(flight)
-        if self._live_costs is not None:
-            self._live_costs.update(self)
+        if self._live_costs is not None and (table := self._live_costs.refresh(self.runner.step_timer)) is not None:
+            c = self._live_costs.startup
+            self.scheduler.set_step_costs(c.buckets, c.ks, table)
         result = self.scheduler.commit(plan, accepted, sampled)
         # Counted with the outputs (_take_outputs: off the critical path when overlapped).
         self._spec_backlog.append((plan.num_drafts, accepted))

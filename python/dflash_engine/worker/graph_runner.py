@@ -50,6 +50,14 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(out))
 
 
+def bucket_of(buckets: list[int], num_reqs: int) -> int:
+    """The smallest bucket that holds `num_reqs` decoding requests."""
+    for bs in buckets:
+        if bs >= num_reqs:
+            return bs
+    raise ValueError(f"{num_reqs} decoding requests exceed max_num_seqs ({buckets[-1]})")
+
+
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
@@ -105,10 +113,7 @@ class GraphRunner:
 
     # ---- host side --------------------------------------------------------------------
     def bucket(self, num_reqs: int) -> int:
-        for bs in self.buckets:
-            if bs >= num_reqs:
-                return bs
-        raise ValueError(f"{num_reqs} decoding requests exceed max_num_seqs ({self.max_bs})")
+        return bucket_of(self.buckets, num_reqs)
 
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         at, size = self.offsets[name]

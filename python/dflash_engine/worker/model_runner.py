@@ -32,7 +32,7 @@ from ..models.parallel import rank_config
 from ..ops.dispatch import use_kernels
 from ..runtime_config import RuntimeConfig
 from . import step_costs
-from .graph_runner import GraphRunner, batch_buckets
+from .graph_runner import GraphRunner, batch_buckets, bucket_of
 from .in_flight import InFlight
 from .kv_cache import KVCache
 from .memory import MemoryReport, peak_bytes, size_kv_pool
@@ -225,7 +225,7 @@ class ModelRunner:
     def _launch_eager(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
         tag = None  # a pure-decode step's (batch bucket, K): its time refines the adaptive policy's costs
         if plan.num_decode == len(plan):
-            tag = (next((b for b in self._buckets if b >= len(plan)), self._buckets[-1]), plan.block_rows - 1)
+            tag = (bucket_of(self._buckets, len(plan)), plan.block_rows - 1)
         self.step_timer.begin(tag)  # the step's first launch follows (busy/idle marks: step_timer.py)
         accepted, sampled = run_step(self.models, StepInputs.from_plan(plan, st, self.device), all_greedy)
         r = len(plan)

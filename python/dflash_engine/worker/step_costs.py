@@ -42,52 +42,54 @@ class StepCosts:
 
 
 class LiveCosts:
-    """The startup table refined by the engine's own pure-decode steps (their busy time per
-    (batch bucket, K): StepTimer.take_by_tag). A cell that ran at least MIN_STEPS times since
-    it was last refined takes an exponential average of its measured mean; a cell that never
-    ran is its startup value times its bucket's measured / startup ratio (the context and
-    the machine's load move every K alike; the global ratio where the bucket has nothing).
-    So a noisy startup probe (a few steps on a loaded CPU) is corrected by what the traffic
-    itself costs, and what the policy never chooses is still priced on the same scale."""
+    """The startup table refined by the engine's own pure-decode steps. Every EVERY steps
+    (`refresh`): a (batch bucket, K) cell whose steps ran at least MIN_STEPS times since it
+    was last refined (StepTimer.take_by_tag) takes an exponential average of their mean busy
+    time; a cell that never ran is its startup value times its bucket's measured / startup
+    ratio (the overall ratio where the bucket ran nothing: the context and the machine's load
+    move every K alike); and the mean host time the device waited between steps over the
+    window (the timer's idle time: schedule, commit, outputs) is added to every cell (a
+    constant per step favours longer blocks: each step's fixed cost buys more tokens). So a
+    noisy startup probe is corrected by what the traffic itself costs."""
 
+    EVERY = 128
     ALPHA = 0.5
     MIN_STEPS = 4
 
     def __init__(self, startup: StepCosts):
         self.startup = startup
         self.measured: dict[tuple[int, int], float] = {}
-        self._unused: dict[tuple[int, int], tuple[float, int]] = {}
+        self.last = (0.0, 0)  # (idle seconds, steps) of the timer at the last refresh
 
     def observe(self, by_tag: dict[tuple[int, int], tuple[float, int]]) -> None:
+        """Fold in measured (busy seconds, steps) per (bucket, K) cell."""
         s = self.startup
         for tag, (sec, n) in by_tag.items():
-            if tag[0] not in s.buckets or tag[1] not in s.ks:
-                continue
-            prev = self._unused.get(tag, (0.0, 0))
-            sec, n = sec + prev[0], n + prev[1]
-            if n < self.MIN_STEPS:
-                self._unused[tag] = (sec, n)
-                continue
-            self._unused.pop(tag, None)
-            old = self.measured.get(tag)
-            self.measured[tag] = sec / n if old is None else (1 - self.ALPHA) * old + self.ALPHA * sec / n
+            if tag[0] in s.buckets and tag[1] in s.ks:
+                old = self.measured.get(tag)
+                self.measured[tag] = sec / n if old is None else (1 - self.ALPHA) * old + self.ALPHA * sec / n
 
     def seconds(self, gap: float = 0.0) -> list[list[float]]:
         """The table for the core: [bucket][k] seconds, plus `gap` (the host time per step)."""
         s = self.startup
-
-        def ratios(cells) -> list[float]:
-            return [self.measured[(b, k)] / s.seconds[i][j] for i, b in enumerate(s.buckets)
-                    for j, k in enumerate(s.ks) if (b, k) in self.measured and (b, k) in cells]
-
-        every = set(self.measured)
-        overall = ratios(every)
+        ratio = {(b, k): self.measured[(b, k)] / s.seconds[i][j] for i, b in enumerate(s.buckets)
+                 for j, k in enumerate(s.ks) if (b, k) in self.measured}
+        overall = list(ratio.values()) or [1.0]
         out = []
         for i, b in enumerate(s.buckets):
-            mine = ratios({(b, k) for k in s.ks})
-            r = float(np.mean(mine or overall or [1.0]))
+            r = float(np.mean([v for (rb, _), v in ratio.items() if rb == b] or overall))
             out.append([self.measured.get((b, k), s.seconds[i][j] * r) + gap for j, k in enumerate(s.ks)])
         return out
+
+    def refresh(self, timer) -> list[list[float]] | None:
+        """Every EVERY steps of `timer` (the runner's StepTimer): the refined table; else None."""
+        _, idle, steps = timer.totals()
+        if steps - self.last[1] < self.EVERY:
+            return None
+        gap = (idle - self.last[0]) / (steps - self.last[1])
+        self.last = (idle, steps)
+        self.observe(timer.take_by_tag(self.MIN_STEPS))
+        return self.seconds(gap)
 
 
 def measure(runner, ks: list[int]) -> StepCosts:

@@ -87,8 +87,10 @@ class StepTimer:
             done += 1
         del self._pending[:done]
 
-    def take_by_tag(self) -> dict[tuple[int, int], tuple[float, int]]:
-        """The tagged steps' (busy seconds, steps) per tag since the last take; cleared."""
-        out = {tag: (sec, n) for tag, (sec, n) in self.by_tag.items()}
-        self.by_tag = {}
+    def take_by_tag(self, min_steps: int = 1) -> dict[tuple[int, int], tuple[float, int]]:
+        """(busy seconds, steps) of each tag with at least `min_steps` steps since it was
+        last taken; those are cleared, the others keep adding up."""
+        out = {tag: (sec, n) for tag, (sec, n) in self.by_tag.items() if n >= min_steps}
+        for tag in out:
+            del self.by_tag[tag]
         return out
