@@ -7,6 +7,7 @@
 # ladder, logs incl. the server's startup memory lines) land in $OUT. AB=1 adds c=32 (AB_CONC)
 # rungs with the host/device overlap off and Python's default GIL switch interval (A/B);
 # SCHED adds a spec-on ladder with a draft-length schedule; OFF_CONC limits the spec-off rungs.
+# KS entries: K (fixed) or aK (adaptive up to K); RATES: decaying per-position rates (see spec()).
 # SHAPE (default qwen3-8b; qwen3.5-27b for the hybrid ladder of issue 19), KS (draft lengths,
 # default 15: one spec-on ladder each; KS="" none), MAXLEN (--max-model-len, default 8192), LONG_CONC
 # (rungs of one more spec-on ladder at --max-model-len 32768, K = the first of KS), OFF=0
@@ -35,7 +36,16 @@ ladder() {
         --disable-tqdm --label "$name $envs" 2>&1 | tee $L/ladder_$name.log | tail -7
     kill $pid; wait $pid 2>/dev/null
 }
-spec() { echo '{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": '$1', "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 6.5}'; }
+# spec K: fixed K drafts; spec aK: adaptive up to K. RATES (a JSON list of K per-position
+# acceptance rates, e.g. a real draft's decaying curve) replaces the flat length 6.5.
+spec() {
+    k=${1#a}; dl='"fixed"'; [ "$k" != "$1" ] && dl='"adaptive"'
+    if [ -n "${RATES:-}" ]; then
+        r=$(python3 -c "import json,sys; r=json.loads(sys.argv[1]); k=int(sys.argv[2]); print(json.dumps((r+[r[-1]]*k)[:k]))" "$RATES" $k)
+        syn='"synthetic_acceptance_rates": '$r
+    else syn='"synthetic_acceptance_length": 6.5'; fi
+    echo '{"method": "dflash", "model": "'$QD'", "num_speculative_tokens": '$k', "draft_length": '$dl', "rejection_sample_method": "synthetic", '$syn'}'
+}
 KS=${KS-15}; SPEC=$(spec ${KS%% *})
 ALL=${CONC:-1,2,4,8,16,32}
 [ "${OFF:-1}" = 0 ] || PROMPTS=${OFF_PROMPTS:-auto} ladder spec_off ${OFF_CONC:-$ALL} ""   # OFF_CONC=1,4: only the rungs that showed the start-up TTFT stall
