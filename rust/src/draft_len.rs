@@ -20,7 +20,8 @@
 //! whose measured acceptance pays), a request's own once per step of that request (so that a
 //! request that stopped drafting after a bad stretch returns to the global estimate). After
 //! [`EXPLORE_AFTER`] plain steps in a row one step drafts: how the estimates learn that traffic
-//! changed while nothing was drafted.
+//! changed while nothing was drafted. Every [`PROBE_EVERY`]-th step drafts the runner-up
+//! when it is within [`PROBE_WITHIN`] of the best: its measured cost refines the table.
 //!
 //! ```text
 //!   global   g_j   = (accepts_j + W·prior_j) / (trials_j + W)        prior_1 = PRIOR_FIRST,
@@ -55,6 +56,16 @@ pub const PRIOR_DECAY: f64 = 0.9;
 /// k > 0 once: a step with k = 0 learns nothing, so an estimate that is too pessimistic (or a
 /// noisy cost table) would otherwise never be corrected. Costs at most one draft pass in 65.
 pub const EXPLORE_AFTER: u64 = 64;
+/// Every PROBE_EVERY-th planned step with decoding requests drafts the runner-up (the
+/// candidate with the second-highest expected rate) instead of the best, if the runner-up's
+/// rate is at least PROBE_WITHIN of the best. The runner times every pure-decode step and
+/// folds those times into the cost table (python: worker/step_costs.py LiveCosts), so the
+/// cells next to the optimum are measured on the live traffic (its contexts, its batch) and
+/// not only estimated from the startup probe: a cell whose startup cost was off gets
+/// corrected, and the choice flips when the measurement says so. What a probe can cost while
+/// the table is right is bounded: (1 - PROBE_WITHIN) / PROBE_EVERY of the rate (0.6%).
+pub const PROBE_EVERY: u64 = 16;
+pub const PROBE_WITHIN: f64 = 0.9;
 
 /// Drafts of a step with `num_decoding` decoding requests under a draft-length schedule of
 /// `(max_decoding, k)` pairs (ascending): the k of the first pair with num_decoding <=
@@ -254,6 +265,8 @@ pub struct DraftLen {
     chosen: Vec<u64>,
     /// Planned steps with decoding requests since the last one that drafted (EXPLORE_AFTER).
     zero_run: u64,
+    /// Planned steps with decoding requests (PROBE_EVERY).
+    planned: u64,
 }
 
 impl DraftLen {
@@ -267,6 +280,7 @@ impl DraftLen {
             costs: None,
             chosen: vec![0; k_max + 1],
             zero_run: 0,
+            planned: 0,
         }
     }
 
@@ -320,7 +334,9 @@ impl DraftLen {
         }
         let n = decoding.len();
         let explore = self.zero_run >= EXPLORE_AFTER;
+        let probe = self.planned % PROBE_EVERY == PROBE_EVERY - 1;
         let mut best = (f64::NEG_INFINITY, self.k_max);
+        let mut second = (f64::NEG_INFINITY, self.k_max);
         let mut best_drafting = (f64::NEG_INFINITY, self.k_max);
         let mut ks = candidates.clone();
         ks.sort_unstable();
@@ -328,7 +344,10 @@ impl DraftLen {
             let rate = tokens[k] / costs.cost(n, k).expect("candidates are measured (set_step_costs)");
             // Strictly better only: a tie goes to the shorter block.
             if rate > best.0 {
+                second = best;
                 best = (rate, k);
+            } else if rate > second.0 {
+                second = (rate, k);
             }
             if k > 0 && rate > best_drafting.0 {
                 best_drafting = (rate, k);
@@ -337,6 +356,9 @@ impl DraftLen {
         if best.1 == 0 && explore && best_drafting.0.is_finite() {
             return best_drafting.1;
         }
+        if probe && second.0 >= PROBE_WITHIN * best.0 {
+            return second.1;
+        }
         best.1
     }
 
@@ -344,6 +366,7 @@ impl DraftLen {
     pub(crate) fn record_choice(&mut self, k: usize) {
         self.chosen[k] += 1;
         self.zero_run = if k == 0 { self.zero_run + 1 } else { 0 };
+        self.planned += 1;
     }
 
     /// Learn from one committed step: `(handle, drafts proposed, drafts accepted)` of each of
@@ -623,7 +646,9 @@ mod tests {
         // alone; after EXPLORE_AFTER of them in a row one step drafts (what the scheduler
         // records through record_choice), then plain steps again while nothing is accepted.
         let mut d = adaptive(4, (0..=4).collect());
-        d.set_step_costs(costs(vec![1], (0..=4).collect(), vec![vec![1.0, 1.1, 1.2, 1.3, 1.4]])).unwrap();
+        // Drafting one costs 1.2x: its rate (1 + p_1) / 1.2 stays below PROBE_WITHIN of a plain
+        // step's, so the runner-up probe never fires here.
+        d.set_step_costs(costs(vec![1], (0..=4).collect(), vec![vec![1.0, 1.2, 1.3, 1.4, 1.5]])).unwrap();
         for _ in 0..50 {
             d.observe_step([(1, 4, 0)]);
         }
@@ -640,6 +665,32 @@ mod tests {
         let e = EXPLORE_AFTER;
         assert_eq!(probes, vec![e, 2 * e + 1, 3 * e + 2], "one probe after every {e} plain steps");
         assert!(d.global.trials[0] > global.trials[0], "the probes were learnt from");
+    }
+
+    #[test]
+    fn every_probe_every_th_step_measures_the_runner_up_when_it_is_close() {
+        let mut d = adaptive(7, vec![0, 3, 7]);
+        measured(&mut d, &[0.8; 7]);
+        // p = 0.8: tokens k=0 1, k=3 2.95, k=7 4.16. Rates at these costs: 1.0, 2.46, 2.31:
+        // k = 7 is within 0.9 of the best (k = 3), a plain step is not.
+        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 1.8]])).unwrap();
+        let mut picks = vec![];
+        for _ in 0..2 * PROBE_EVERY {
+            let k = d.choose(&[1]);
+            d.record_choice(k);
+            picks.push(k);
+        }
+        let probes: Vec<usize> = (0..picks.len()).filter(|&i| picks[i] != 3).collect();
+        let e = PROBE_EVERY as usize;
+        assert_eq!(probes, vec![e - 1, 2 * e - 1]);
+        assert!(probes.iter().all(|&i| picks[i] == 7));
+        // The runner-up far below the best (k = 7 at 3x the cost): no probe.
+        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 3.0]])).unwrap();
+        for _ in 0..2 * PROBE_EVERY {
+            let k = d.choose(&[1]);
+            d.record_choice(k);
+            assert_eq!(k, 3);
+        }
     }
 
     #[test]

@@ -211,6 +211,19 @@ impl DraftLenRef {
             out.extend(set.iter().copied().filter(|&k| k > 0));
             return out;
         }
+        // Every PROBE_EVERY-th step drafts the runner-up when it is within PROBE_WITHIN of
+        // the best (on a tie for the best, any of the tied).
+        if self.chosen.len() as u64 % draft_len::PROBE_EVERY == draft_len::PROBE_EVERY - 1 && set.len() == 1 {
+            let second = candidates.iter().filter(|&&k| k != set[0]).map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
+            if second >= draft_len::PROBE_WITHIN * best * (1.0 + 1e-9) {
+                return candidates.iter().copied().filter(|&k| k != set[0] && rate(k) >= second * (1.0 - 1e-9)).collect();
+            }
+            if second >= draft_len::PROBE_WITHIN * best * (1.0 - 1e-9) {
+                let mut out: Vec<usize> = candidates.iter().copied().filter(|&k| rate(k) >= second * (1.0 - 1e-9)).collect();
+                out.sort_unstable();
+                return out; // on the threshold: either
+            }
+        }
         set
     }
 
