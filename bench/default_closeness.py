@@ -57,6 +57,31 @@ def gemm_rows() -> None:
             alone = F.linear(x[:1], w)[0]
             cells = ["y" if torch.equal(F.linear(x[:m], w)[0], alone) else "." for m in ms]
             print(f"  {model + ' ' + name:<18}" + "".join(f"{c:>4}" for c in cells))
+    print("cuBLAS bf16 inside CUDA graphs: is row 0 of a captured M-row F.linear equal to row 0 of a "
+          "captured 1-row one (g) / of an eager 1-row one (e)? (y = equal)")
+    print(f"  {'shape':<18}" + "".join(f"{m:>6}" for m in ms))
+    for model, (_, _, _, gemms) in SHAPES.items():
+        for name, (k, n) in gemms.items():
+            x = torch.randn(64, k, device=DEV, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5
+            eager_alone = F.linear(x[:1], w)[0]
+            rows = {}
+            for m in ms:
+                out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up off the capture, as the graph runner does
+                    torch.matmul(x[:m], w.t(), out=out)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    out.copy_(F.linear(x[:m], w))
+                g.replay()
+                torch.cuda.synchronize()
+                rows[m] = out[0].clone()
+            cells = [("g" if torch.equal(rows[m], rows[1]) else ".") + ("e" if torch.equal(rows[m], eager_alone) else ".")
+                     for m in ms]
+            print(f"  {model + ' ' + name:<18}" + "".join(f"{c:>6}" for c in cells))
 
 
 def attention_rows() -> None:

@@ -102,11 +102,10 @@ def humaneval_prompts() -> list[str]:
             for p in read_problems().values()]
 
 
-def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str, batch_invariant: bool,
-        max_model_len: int, gpu_memory_utilization: float, draft_length: str | None = None,
-        cpu_weights: str = "auto", repeat: int = 1, **engine_kw):
-    """One engine over `prompts` at concurrency c, `repeat` timed passes (tok/s: the median
-    pass; the tokens: the first pass's). `engine_kw`: more LLM(...) arguments."""
+def build(target, draft, prompts: list[str], c: int, max_tokens: int, device: str, batch_invariant: bool,
+          max_model_len: int, gpu_memory_utilization: float, draft_length: str | None = None,
+          cpu_weights: str = "auto", **engine_kw) -> dict:
+    """One engine for `prompts` at concurrency c, warmed up. `engine_kw`: more LLM(...) arguments."""
     from dflash_engine import LLM, SamplingParams
 
     spec = None
@@ -120,30 +119,49 @@ def run(target, draft, prompts: list[str], c: int, max_tokens: int, device: str,
     rc = llm.engine.runtime_config
     k = rc.num_speculative_tokens if rc.draft_len_policy != "adaptive" else f"a{rc.num_speculative_tokens}"
     convs = [[{"role": "user", "content": p}] for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    before = llm.stats()
-    rates, outs = [], None
-    for _ in range(repeat):  # later passes: an adaptive policy that has learnt the traffic (a server's steady state)
-        t0 = time.perf_counter()
-        o = llm.chat(convs, params, use_tqdm=False)
-        rates.append(sum(len(x.outputs[0].token_ids) for x in o) / (time.perf_counter() - t0))
-        outs = outs or o
+    return {"llm": llm, "k": k, "c": c, "spec": bool(draft), "convs": convs, "before": llm.stats(), "rates": [],
+            "outs": None, "params": SamplingParams(temperature=0, max_tokens=max_tokens)}
+
+
+def timed_pass(e: dict) -> None:
+    """One pass over the prompts (later passes: an adaptive policy that has learnt the
+    traffic, a server's steady state)."""
+    t0 = time.perf_counter()
+    o = e["llm"].chat(e["convs"], e["params"], use_tqdm=False)
+    e["rates"].append(sum(len(x.outputs[0].token_ids) for x in o) / (time.perf_counter() - t0))
+    e["outs"] = e["outs"] or o
+
+
+def finish(e: dict) -> tuple[dict, list]:
+    """The engine's row (tok/s: the median pass; the tokens: the first pass's); drops it."""
+    llm, before, rates = e["llm"], e["before"], e["rates"]
     st = llm.stats()
     drafts = st.spec_num_drafts - before.spec_num_drafts
     accepted = st.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    tokens = [o.outputs[0].token_ids for o in outs]
-    n = sum(len(t) for t in tokens)
+    tokens = [o.outputs[0].token_ids for o in e["outs"]]
     pages = llm.engine.num_usable_pages
+    row = {"c": e["c"], "spec": e["spec"], "k": e["k"]}
+    e.clear()
     del llm
     gc.collect()  # the engine's KV pool and graphs back to the GPU before the next engine sizes its own
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     chosen = {kk: v - before.spec_draft_len_counts.get(kk, 0) for kk, v in st.spec_draft_len_counts.items()}
-    return {"c": c, "spec": bool(draft), "k": k, "draft_len_counts": chosen, "prompts": len(prompts), "output_tokens": n,
-            "tok_s": round(sorted(rates)[len(rates) // 2], 2), "tok_s_passes": [round(r, 2) for r in rates], "tau": round(1 + accepted / drafts, 3) if drafts else None,
-            "drafts": drafts, "steps": st.num_steps - before.num_steps, "kv_pages": pages,
-            "preemptions": st.num_preemptions - before.num_preemptions}, tokens
+    row.update(draft_len_counts=chosen, prompts=len(tokens), output_tokens=sum(len(t) for t in tokens),
+               tok_s=round(sorted(rates)[len(rates) // 2], 2), tok_s_passes=[round(r, 2) for r in rates],
+               tau=round(1 + accepted / drafts, 3) if drafts else None, drafts=drafts,
+               steps=st.num_steps - before.num_steps, kv_pages=pages,
+               preemptions=st.num_preemptions - before.num_preemptions)
+    return row, tokens
+
+
+def run(target, draft, prompts: list[str], c: int, repeat: int = 1, **kw):
+    """One engine over `prompts` at concurrency c, `repeat` timed passes."""
+    e = build(target, draft, prompts, c, **kw)
+    for _ in range(repeat):
+        timed_pass(e)
+    return finish(e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                          "is not given back does not starve the next one of the process")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed passes over the prompts per engine; tok/s is the median pass's")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every engine of a (set, c) first, then run pass r of each in turn (CPU A/B "
+                         "under drifting machine speed; on a GPU give --num-gpu-blocks so that they all fit)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     sets = {"humaneval": humaneval_prompts, "chat": lambda: list(CHAT_PROMPTS)}
@@ -181,14 +202,24 @@ def main(argv: list[str] | None = None) -> int:
         for c in [int(x) for x in args.concurrency.split(",")]:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,
                       max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                      cpu_weights=args.cpu_weights, num_gpu_blocks_override=args.num_gpu_blocks,
-                      repeat=args.repeat)
-            off, off_tokens = run(args.target, None, prompts, c, **kw)
+                      cpu_weights=args.cpu_weights, num_gpu_blocks_override=args.num_gpu_blocks)
+            lengths = args.draft_lengths.split(",")
+            if args.interleave:  # every engine built first, then pass r of each in turn: drift hits all alike
+                engines = [build(args.target, None, prompts, c, **kw)]
+                engines += [build(args.target, args.draft, prompts, c, **kw, draft_length=k) for k in lengths]
+                for _ in range(args.repeat):
+                    for e in engines:
+                        timed_pass(e)
+                results = [finish(e) for e in engines]
+            else:
+                results = [run(args.target, None, prompts, c, repeat=args.repeat, **kw)]
+                results += [run(args.target, args.draft, prompts, c, repeat=args.repeat, **kw, draft_length=k)
+                            for k in lengths]
+            (off, off_tokens), spec_results = results[0], results[1:]
             off.update(set=name, same_as_spec_off="-")
             rows.append(off)
             print(json.dumps(off), flush=True)
-            for k in args.draft_lengths.split(","):
-                on, on_tokens = run(args.target, args.draft, prompts, c, **kw, draft_length=k)
+            for on, on_tokens in spec_results:
                 same = sum(a == b for a, b in zip(on_tokens, off_tokens))
                 on.update(set=name, same_as_spec_off=f"{same}/{len(prompts)}")
                 on["speedup"] = round(on["tok_s"] / off["tok_s"], 3)
