@@ -22,6 +22,8 @@ and which op makes a row's bits depend on the step it runs in.
   gemm     every Linear through the exact GEMM;
   nosplit  every default-mode attention call in one split (no flash-decoding partials);
   eager    both engines with enforce_eager=True (no CUDA graphs): tells graph capture apart.
+--trace I,J: chat prompts I, J traced inside the target (trace() below): the first position
+  whose final hidden state or tap-layer state differs between spec off and spec on.
 """
 from __future__ import annotations
 
@@ -203,6 +205,70 @@ def e2e(args) -> int:
     return 0
 
 
+def trace(args) -> int:
+    """--trace: where do spec-off and spec-on first differ, inside the target? Both engines run
+    eagerly (hooks do not run inside CUDA graphs; run 34 found the same differences eager as
+    with graphs) on each chosen prompt, c = 1; a forward hook on the target records, per row,
+    the final hidden state and the tap layers' hidden states keyed by (position, input token)
+    (a verify row whose draft was rejected is overwritten when that position is verified
+    again). Along the committed sequence the two runs are then compared bit for bit: the first
+    position whose final hidden (or any tap layer) differs, the largest difference there, and
+    the first position whose sampled token differs."""
+    import eval_draft
+    import numpy as np
+
+    prompts = [list(eval_draft.CHAT_PROMPTS)[i] for i in args.trace]
+    out = []
+    for i, prompt in zip(args.trace, prompts):
+        runs = {}
+        for name, draft in (("off", None), ("on", args.draft)):
+            rec: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = {}
+
+            def hook(mod, inputs, output, rec=rec):
+                ids, positions = inputs[0], inputs[1]
+                hidden, taps = output if isinstance(output, tuple) else (output, None)
+                ids, positions = ids.tolist(), positions.tolist()
+                h = hidden.float().cpu().numpy()
+                t = None if taps is None else taps.float().cpu().numpy()
+                for r, (tok, pos) in enumerate(zip(ids, positions)):
+                    rec[(pos, tok)] = (h[r], None if t is None else t[r])
+
+            e = eval_draft.build(None, draft, [prompt], 1, max_tokens=args.max_tokens, device=args.device,
+                                 batch_invariant=False, max_model_len=2048, gpu_memory_utilization=0.9,
+                                 draft_length=args.draft_lengths.split(",")[0] if draft else None,
+                                 enforce_eager=True, num_gpu_blocks_override=4096)
+            target = e["llm"].engine.runner.models.target
+            handle = target.register_forward_hook(hook)
+            eval_draft.timed_pass(e)
+            handle.remove()
+            seq = list(e["outs"][0].prompt_token_ids) + list(e["outs"][0].outputs[0].token_ids)
+            runs[name] = (seq, rec, len(e["outs"][0].prompt_token_ids))
+            eval_draft.finish(e)
+        (s_off, r_off, n_prompt), (s_on, r_on, _) = runs["off"], runs["on"]
+        first_tok = next((j for j, (a, b) in enumerate(zip(s_off, s_on)) if a != b), None)
+        end = min(len(s_off), len(s_on)) if first_tok is None else first_tok + 1
+        row = {"prompt": i, "first_token_diff": None if first_tok is None else first_tok - n_prompt,
+               "first_hidden_diff": None, "first_tap_diff": None, "missing": 0}
+        for pos in range(end - 1):  # the row at pos predicts the token at pos + 1
+            a, b = r_off.get((pos, s_off[pos])), r_on.get((pos, s_on[pos]))
+            if a is None or b is None:
+                row["missing"] += 1
+                continue
+            if row["first_tap_diff"] is None and a[1] is not None and b[1] is not None and not np.array_equal(a[1], b[1]):
+                row["first_tap_diff"] = pos - n_prompt
+                row["tap_max_abs_diff"] = float(np.abs(a[1] - b[1]).max())
+            if not np.array_equal(a[0], b[0]):
+                row["first_hidden_diff"] = pos - n_prompt
+                row["hidden_max_abs_diff"] = float(np.abs(a[0] - b[0]).max())
+                break
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", action="store_true")
@@ -213,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft-lengths", default="15,adaptive")
+    ap.add_argument("--trace", type=lambda v: [int(x) for x in v.split(",")], default=None, metavar="I,J",
+                    help="chat prompts (indices) to trace inside the target (needs --draft)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--device", default="cuda", help="--e2e only (cpu: a smoke run)")
+    ap.add_argument("--device", default="cuda", help="--e2e and --trace (cpu: a smoke run)")
     args = ap.parse_args(argv)
     if args.rows:
         gemm_rows()
@@ -224,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.draft:
             ap.error("--e2e needs --draft")
         return e2e(args)
+    if args.trace is not None:
+        if not args.draft:
+            ap.error("--trace needs --draft")
+        return trace(args)
     return 0
 
 

@@ -21,7 +21,8 @@
 //! request that stopped drafting after a bad stretch returns to the global estimate). After
 //! [`EXPLORE_AFTER`] plain steps in a row one step drafts: how the estimates learn that traffic
 //! changed while nothing was drafted. Every [`PROBE_EVERY`]-th step drafts the runner-up
-//! when it is within [`PROBE_WITHIN`] of the best: its measured cost refines the table.
+//! when it is within [`PROBE_WITHIN`] of the best: its measured cost refines the table. After
+//! [`PLAIN_AFTER`] drafting steps in a row one step is plain: its cost gets measured too.
 //!
 //! ```text
 //!   global   g_j   = (accepts_j + W·prior_j) / (trials_j + W)        prior_1 = PRIOR_FIRST,
@@ -65,6 +66,13 @@ pub const EXPLORE_AFTER: u64 = 64;
 /// corrected, and the choice flips when the measurement says so. What a probe can cost while
 /// the table is right is bounded: (1 - PROBE_WITHIN) / PROBE_EVERY of the rate (0.6%).
 pub const PROBE_EVERY: u64 = 16;
+/// After this many consecutive steps that drafted, the next step (if it has decoding
+/// requests and 0 is a candidate) is a plain one: the mirror of [`EXPLORE_AFTER`]. A plain
+/// step's cost is estimated from the drafting steps while none runs (their measured/startup
+/// ratio), which overstates it where drafting runs slower live than in the startup probe (a
+/// CPU): the policy would then never plain-step again. One plain step in 129 gets it measured;
+/// it loses at most that step's expected gain from drafting.
+pub const PLAIN_AFTER: u64 = 128;
 pub const PROBE_WITHIN: f64 = 0.9;
 
 /// Drafts of a step with `num_decoding` decoding requests under a draft-length schedule of
@@ -267,6 +275,8 @@ pub struct DraftLen {
     zero_run: u64,
     /// Planned steps with decoding requests (PROBE_EVERY).
     planned: u64,
+    /// Planned steps with decoding requests since the last one that drafted nothing (PLAIN_AFTER).
+    draft_run: u64,
 }
 
 impl DraftLen {
@@ -281,6 +291,7 @@ impl DraftLen {
             chosen: vec![0; k_max + 1],
             zero_run: 0,
             planned: 0,
+            draft_run: 0,
         }
     }
 
@@ -333,6 +344,9 @@ impl DraftLen {
             }
         }
         let n = decoding.len();
+        if self.draft_run >= PLAIN_AFTER && candidates.contains(&0) {
+            return 0;
+        }
         let explore = self.zero_run >= EXPLORE_AFTER;
         let probe = self.planned % PROBE_EVERY == PROBE_EVERY - 1;
         let mut best = (f64::NEG_INFINITY, self.k_max);
@@ -367,6 +381,7 @@ impl DraftLen {
         self.chosen[k] += 1;
         self.zero_run = if k == 0 { self.zero_run + 1 } else { 0 };
         self.planned += 1;
+        self.draft_run = if k > 0 { self.draft_run + 1 } else { 0 };
     }
 
     /// Learn from one committed step: `(handle, drafts proposed, drafts accepted)` of each of
@@ -665,6 +680,31 @@ mod tests {
         let e = EXPLORE_AFTER;
         assert_eq!(probes, vec![e, 2 * e + 1, 3 * e + 2], "one probe after every {e} plain steps");
         assert!(d.global.trials[0] > global.trials[0], "the probes were learnt from");
+    }
+
+    #[test]
+    fn a_long_run_of_drafting_steps_plain_steps_once_to_measure_it() {
+        let mut d = adaptive(7, vec![0, 3, 7]);
+        measured(&mut d, &[0.9; 7]);
+        // Drafting pays by far (k = 3: 3.44 tokens for 1.2x; k = 7 is not within 0.9 of it).
+        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 3.0]])).unwrap();
+        let mut plain = vec![];
+        for step in 0..2 * (PLAIN_AFTER + 1) {
+            let k = d.choose(&[1]);
+            d.record_choice(k);
+            if k == 0 {
+                plain.push(step);
+            }
+        }
+        assert_eq!(plain, vec![PLAIN_AFTER, 2 * PLAIN_AFTER + 1]);
+        // Not without 0 among the candidates.
+        let mut d = adaptive(7, vec![3, 7]);
+        d.set_step_costs(costs(vec![4], vec![3, 7], vec![vec![1.2, 3.0]])).unwrap();
+        for _ in 0..2 * PLAIN_AFTER {
+            let k = d.choose(&[1]);
+            d.record_choice(k);
+            assert_eq!(k, 3);
+        }
     }
 
     #[test]

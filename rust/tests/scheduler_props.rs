@@ -201,6 +201,11 @@ impl DraftLenRef {
         };
         let best = candidates.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
         let set: Vec<usize> = candidates.iter().copied().filter(|&k| rate(k) >= best * (1.0 - 1e-9)).collect();
+        // After PLAIN_AFTER steps in a row that drafted, a plain step (0 a candidate).
+        let drafted = self.chosen.iter().rev().take_while(|&&k| k > 0).count() as u64;
+        if drafted >= draft_len::PLAIN_AFTER && candidates.contains(&0) {
+            return vec![0];
+        }
         // After EXPLORE_AFTER steps in a row that drafted nothing, a step that would draft
         // nothing drafts the best k > 0 instead.
         let zeros = self.chosen.iter().rev().take_while(|&&k| k == 0).count() as u64;

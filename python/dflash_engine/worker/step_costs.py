@@ -47,8 +47,7 @@ class LiveCosts:
     was last refined (StepTimer.take_by_tag) takes an exponential average of their mean busy
     time; a cell that never ran is its startup value times its bucket's measured / startup
     ratio (the overall ratio where the bucket ran nothing: the context and the machine's load
-    move every K alike), and a cell measured in an earlier window but not in this one moves
-    toward that too (`observe`); and the mean host time the device waited between steps over the
+    move every K alike); and the mean host time the device waited between steps over the
     window (the timer's idle time: schedule, commit, outputs) is added to every cell (a
     constant per step favours longer blocks: each step's fixed cost buys more tokens). So a
     noisy startup probe is corrected by what the traffic itself costs."""
@@ -63,25 +62,12 @@ class LiveCosts:
         self.last = (0.0, 0)  # (idle seconds, steps) of the timer at the last refresh
 
     def observe(self, by_tag: dict[tuple[int, int], tuple[float, int]]) -> None:
-        """Fold in one window's measured (busy seconds, steps) per (bucket, K) cell. A cell
-        measured before but not in this window moves the same way: toward its startup value
-        times its bucket's ratio in this window (else the window's overall ratio). Without
-        that, a cell measured once while the machine was slow (a busy neighbour, a cold cache)
-        would keep that cost for good whenever the policy stops choosing it, and the policy
-        would never choose it again."""
+        """Fold in measured (busy seconds, steps) per (bucket, K) cell."""
         s = self.startup
-        start = {(b, k): s.seconds[i][j] for i, b in enumerate(s.buckets) for j, k in enumerate(s.ks)}
-        fresh = {tag: sec / n for tag, (sec, n) in by_tag.items() if tag in start}
-        if not fresh:
-            return
-        ratios = {tag: v / start[tag] for tag, v in fresh.items()}
-        overall = float(np.mean(list(ratios.values())))
-        for tag in set(self.measured) - set(fresh):
-            r = [v for (b, _), v in ratios.items() if b == tag[0]]
-            fresh[tag] = start[tag] * (float(np.mean(r)) if r else overall)
-        for tag, v in fresh.items():
-            old = self.measured.get(tag)
-            self.measured[tag] = v if old is None else (1 - self.ALPHA) * old + self.ALPHA * v
+        for tag, (sec, n) in by_tag.items():
+            if tag[0] in s.buckets and tag[1] in s.ks:
+                old = self.measured.get(tag)
+                self.measured[tag] = sec / n if old is None else (1 - self.ALPHA) * old + self.ALPHA * sec / n
 
     def seconds(self, gap: float = 0.0) -> list[list[float]]:
         """The table for the core: [bucket][k] seconds, plus `gap` (the host time per step)."""
