@@ -24,9 +24,10 @@ NUM_SPEC_TOKENS = 4
 
 
 class LiveServer:
-    def __init__(self, engine: Any, api_key: str | None = None) -> None:
-        self.engine = engine
-        self.async_engine = AsyncLLMEngine(engine)
+    def __init__(self, engine: Any, api_key: str | None = None, async_engine: AsyncLLMEngine | None = None) -> None:
+        """`async_engine`: one built already (AsyncLLMEngine.build), else one around `engine`."""
+        self.async_engine = async_engine or AsyncLLMEngine(engine)
+        self.engine = self.async_engine.engine
         app = build_app(self.async_engine, MODEL_NAME, api_key=api_key, model_root="/models/tiny")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

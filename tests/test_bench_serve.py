@@ -75,6 +75,34 @@ def test_humaneval_chat(fresh_server, tmp_path):
     assert rung["status"] == "OK" and rung["mean_prompt_tokens"] > 50
 
 
+def test_custom_dataset_jsonl(spec_on_server, tmp_path):
+    """--dataset-name custom --dataset-path FILE (vLLM's names): one {"prompt": ...} per line,
+    cycled to the rung's requests; EOS honoured unless --ignore-eos."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "Name three colours."}\n\n{"prompt": "Count to five.", "note": 1}\n')
+    assert bench_serve.custom_prompts(str(data), 5) == ["Name three colours.", "Count to five."] * 2 + [
+        "Name three colours."]
+    args = _args(spec_on_server, tmp_path, "--concurrency", "2", "--num-prompts", "3", "--dataset-name", "custom",
+                 "--dataset-path", str(data), "--custom-output-len", "5", "--ignore-eos")
+    assert bench_serve.main(args) == 0
+    (rung,) = _read(tmp_path)["rungs"]
+    assert rung["status"] == "OK" and rung["ok"] == 3 and rung["mean_output_tokens"] == 5
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "needs --dataset-path"), ("missing", "No such file"), ('{"text": "x"}\n', "line 1"),
+    ('{"prompt": ""}\n', "non-empty"), ("\n", "no prompts")])
+def test_custom_dataset_errors_name_the_problem(tmp_path, content, message):
+    path = None
+    if content is not None:
+        path = tmp_path / "p.jsonl"
+        if content != "missing":
+            path.write_text(content)
+        path = str(path)
+    with pytest.raises(SystemExit, match=message):
+        bench_serve.custom_prompts(path, 2)
+
+
 class PoisonOnce:
     """Fails the first request it sees once armed."""
 

