@@ -111,7 +111,8 @@ def test_metrics_export_the_choices(trained, reference):
 def test_live_costs_refine_the_startup_table_by_what_steps_cost():
     """LiveCosts: a measured cell takes its mean (then an average with later windows); cells
     outside the table are ignored; a cell that never ran is its startup value scaled by its
-    bucket's measured / startup ratio (else the overall one). (Cells with fewer than
+    bucket's measured / startup ratio over cells of its kind, drafting or plain (else that
+    kind's overall one; else unscaled). (Cells with fewer than
     MIN_STEPS steps stay in the timer: test_step_timing.py.)"""
     from dflash_engine.worker.step_costs import LiveCosts, StepCosts
 
@@ -120,12 +121,20 @@ def test_live_costs_refine_the_startup_table_by_what_steps_cost():
     assert live.seconds() == startup.seconds and live.seconds(0.5)[0] == [1.5, 2.5, 3.5]
     live.observe({(1, 3): (12.0, 4), (9, 0): (1.0, 9), (1, 2): (1.0, 9)})  # (9, *) / k=2: no cell
     assert live.measured == {(1, 3): 3.0}
+    table = live.seconds()
+    # Only K = 3 ran (at its startup cost): drafting cells keep ratio 1; the plain cell has
+    # no measured plain cell to follow and keeps its startup value.
+    assert table == [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]
+    live.observe({(1, 3): (4 * 6.0, 4)})  # drafting now runs 2x its startup cost (average 4.5: 1.5x)
+    assert live.seconds()[0] == [1.0, 3.0, 4.5], "a plain step is not scaled by the drafting steps"
+    live.measured[(1, 3)] = 3.0
     live.observe({(1, 0): (5.0, 4)})
     assert live.measured == {(1, 3): 3.0, (1, 0): 1.25}
     table = live.seconds()
-    r1 = (1.25 / 1.0 + 3.0 / 3.0) / 2  # bucket 1's ratio scales its unmeasured K = 1
-    assert table[0] == [1.25, 2.0 * r1, 3.0]
-    assert table[1] == [2.0 * r1, 4.0 * r1, 6.0 * r1]  # bucket 4 ran nothing: the overall ratio
+    # Each unmeasured cell follows the measured cells of its kind: bucket 1's K = 1 the
+    # drafting K = 3 (ratio 1); bucket 4 ran nothing: each kind's overall ratio.
+    assert table[0] == [1.25, 2.0, 3.0]
+    assert table[1] == [2.0 * 1.25, 4.0, 6.0]
     live.observe({(1, 3): (20.0, 4)})  # a later window: averaged with the earlier mean
     assert live.measured[(1, 3)] == (1 - LiveCosts.ALPHA) * 3.0 + LiveCosts.ALPHA * 5.0
 

@@ -64,8 +64,8 @@ pub const EXPLORE_AFTER: u64 = 64;
 /// cells next to the optimum are measured on the live traffic (its contexts, its batch) and
 /// not only estimated from the startup probe: a cell whose startup cost was off gets
 /// corrected, and the choice flips when the measurement says so. What a probe can cost while
-/// the table is right is bounded: (1 - PROBE_WITHIN) / PROBE_EVERY of the rate (0.6%).
-pub const PROBE_EVERY: u64 = 16;
+/// the table is right is bounded: (1 - PROBE_WITHIN) / PROBE_EVERY of the rate (0.3%).
+pub const PROBE_EVERY: u64 = 32;
 /// After this many consecutive steps that drafted, the next step (if it has decoding
 /// requests and 0 is a candidate) is a plain one: the mirror of [`EXPLORE_AFTER`]. A plain
 /// step's cost is estimated from the drafting steps while none runs (their measured/startup

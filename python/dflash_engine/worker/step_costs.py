@@ -46,8 +46,9 @@ class LiveCosts:
     (`refresh`): a (batch bucket, K) cell whose steps ran at least MIN_STEPS times since it
     was last refined (StepTimer.take_by_tag) takes an exponential average of their mean busy
     time; a cell that never ran is its startup value times its bucket's measured / startup
-    ratio (the overall ratio where the bucket ran nothing: the context and the machine's load
-    move every K alike); and the mean host time the device waited between steps over the
+    ratio over the cells of its kind, drafting or plain (the overall ratio of its kind where
+    the bucket ran none: the context and the machine's load move every K of a kind alike;
+    `seconds`); and the mean host time the device waited between steps over the
     window (the timer's idle time: schedule, commit, outputs) is added to every cell (a
     constant per step favours longer blocks: each step's fixed cost buys more tokens). So a
     noisy startup probe is corrected by what the traffic itself costs."""
@@ -70,15 +71,23 @@ class LiveCosts:
                 self.measured[tag] = sec / n if old is None else (1 - self.ALPHA) * old + self.ALPHA * sec / n
 
     def seconds(self, gap: float = 0.0) -> list[list[float]]:
-        """The table for the core: [bucket][k] seconds, plus `gap` (the host time per step)."""
+        """The table for the core: [bucket][k] seconds, plus `gap` (the host time per step).
+        An unmeasured cell is scaled by the ratio of measured cells of its own kind: drafting
+        cells by drafting cells, the plain (K = 0) cell by plain cells. What makes drafting
+        steps cost more live than in the startup probe (the draft pass over a longer context,
+        its cold weights) does not touch a plain step: scaled alike, the plain cell looked
+        as slow as the drafting ones and the policy drafted where it did not pay (CPU chat)."""
         s = self.startup
         ratio = {(b, k): self.measured[(b, k)] / s.seconds[i][j] for i, b in enumerate(s.buckets)
                  for j, k in enumerate(s.ks) if (b, k) in self.measured}
-        overall = list(ratio.values()) or [1.0]
         out = []
         for i, b in enumerate(s.buckets):
-            r = float(np.mean([v for (rb, _), v in ratio.items() if rb == b] or overall))
-            out.append([self.measured.get((b, k), s.seconds[i][j] * r) + gap for j, k in enumerate(s.ks)])
+            row = []
+            for j, k in enumerate(s.ks):
+                kind = [(rb, v) for (rb, rk), v in ratio.items() if (rk > 0) == (k > 0)]
+                r = float(np.mean([v for rb, v in kind if rb == b] or [v for _, v in kind] or [1.0]))
+                row.append(self.measured.get((b, k), s.seconds[i][j] * r) + gap)
+            out.append(row)
         return out
 
     def refresh(self, timer) -> list[list[float]] | None:
