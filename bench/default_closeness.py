@@ -236,7 +236,8 @@ def trace(args) -> int:
             e = eval_draft.build(None, draft, [prompt], 1, max_tokens=args.max_tokens, device=args.device,
                                  batch_invariant=False, max_model_len=2048, gpu_memory_utilization=0.9,
                                  draft_length=args.draft_lengths.split(",")[0] if draft else None,
-                                 enforce_eager=True, num_gpu_blocks_override=4096)
+                                 enforce_eager=True, num_gpu_blocks_override=4096,
+                                 enable_prefix_caching=False)  # every prompt row recomputed (the warm-up shares a prefix)
             target = e["llm"].engine.runner.models.target
             handle = target.register_forward_hook(hook)
             eval_draft.timed_pass(e)
