@@ -53,9 +53,10 @@ pub const REQUEST_PRIOR_WEIGHT: f64 = 2.0;
 pub const PRIOR_FIRST: f64 = 0.6;
 /// Prior of p_j (j > 1): this factor times the estimate of p_{j-1}.
 pub const PRIOR_DECAY: f64 = 0.9;
-/// After this many consecutive steps that drafted nothing, the next step drafts the best
-/// k > 0 once: a step with k = 0 learns nothing, so an estimate that is too pessimistic (or a
-/// noisy cost table) would otherwise never be corrected. Costs at most one draft pass in 65.
+/// After this many consecutive steps that drafted nothing, times the cost of the best drafting
+/// step over a plain one, the next step drafts the best k > 0 once: a step with k = 0 learns
+/// nothing, so an estimate that is too pessimistic (or a noisy cost table) would otherwise
+/// never be corrected. Costs at most ~1/65 of the time.
 pub const EXPLORE_AFTER: u64 = 64;
 /// Every PROBE_EVERY-th planned step with decoding requests drafts the runner-up (the
 /// candidate with the second-highest expected rate) instead of the best, if the runner-up's
@@ -367,6 +368,13 @@ impl DraftLen {
                 best_drafting = (rate, k);
             }
         }
+        // The run of plain steps before a drafting one scales with what that step costs
+        // over a plain one: exploring spends at most ~1/EXPLORE_AFTER of the time, not of the
+        // steps (a drafting step of a batch on a CPU costs 3-4 plain ones).
+        let explore = explore && {
+            let ratio = costs.cost(n, best_drafting.1).zip(costs.cost(n, 0)).map_or(1.0, |(d, p)| d / p);
+            self.zero_run as f64 >= EXPLORE_AFTER as f64 * ratio.max(1.0)
+        };
         if best.1 == 0 && explore && best_drafting.0.is_finite() {
             return best_drafting.1;
         }
@@ -609,7 +617,8 @@ mod tests {
         measured(&mut d, &[0.0; 7]);
         let seconds = vec![1.0, 1.5, 2.0];
         d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![seconds])).unwrap();
-        for _ in 0..EXPLORE_AFTER {
+        // The run before exploring scales with the drafting step's cost: 1.5x a plain one.
+        for _ in 0..EXPLORE_AFTER * 3 / 2 {
             assert_eq!(d.choose(&[1]), 0);
             d.record_choice(0);
         }
@@ -669,7 +678,7 @@ mod tests {
         }
         let global = d.global.clone();
         let mut probes = vec![];
-        for step in 0..3 * (EXPLORE_AFTER + 1) {
+        for step in 0..3 * (EXPLORE_AFTER * 6 / 5 + 2) {
             let k = d.choose(&[1]);
             d.record_choice(k);
             if k > 0 {
@@ -677,7 +686,9 @@ mod tests {
             }
             d.observe_step([(1, k, 0)]);
         }
-        let e = EXPLORE_AFTER;
+        // The best drafting k is 1 (1.2x a plain step): a probe after ceil(1.2 * EXPLORE_AFTER)
+        // plain steps each time.
+        let e = (EXPLORE_AFTER as f64 * 1.2).ceil() as u64;
         assert_eq!(probes, vec![e, 2 * e + 1, 3 * e + 2], "one probe after every {e} plain steps");
         assert!(d.global.trials[0] > global.trials[0], "the probes were learnt from");
     }

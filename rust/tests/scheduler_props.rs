@@ -210,8 +210,18 @@ impl DraftLenRef {
         // nothing drafts the best k > 0 instead.
         let zeros = self.chosen.iter().rev().take_while(|&&k| k == 0).count() as u64;
         let drafting: Vec<usize> = candidates.iter().copied().filter(|&k| k > 0).collect();
-        if set.contains(&0) && zeros >= _core::draft_len::EXPLORE_AFTER && !drafting.is_empty() {
-            let best_d = drafting.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
+        let best_d = drafting.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
+        // ... times the cost of the best drafting k over a plain step (the slowest of near ties).
+        let ratio = drafting.iter().filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
+            .map(|&k| row[k] / row[0]).fold(1.0_f64, f64::max);
+        let ratio_lo = drafting.iter().filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
+            .map(|&k| row[k] / row[0]).fold(f64::INFINITY, f64::min).max(1.0);
+        let threshold = _core::draft_len::EXPLORE_AFTER as f64;
+        if set.contains(&0) && !drafting.is_empty() && zeros as f64 >= threshold * ratio_lo
+            && (zeros as f64) < threshold * ratio {
+            return candidates.to_vec(); // a near tie between drafting k's of different cost: either
+        }
+        if set.contains(&0) && zeros as f64 >= threshold * ratio && !drafting.is_empty() {
             let mut out: Vec<usize> = drafting.into_iter().filter(|&k| rate(k) >= best_d * (1.0 - 1e-9)).collect();
             out.extend(set.iter().copied().filter(|&k| k > 0));
             return out;
