@@ -22,7 +22,7 @@ and which op makes a row's bits depend on the step it runs in.
   gemm     every Linear through the exact GEMM;
   nosplit  every default-mode attention call in one split (no flash-decoding partials);
   eager    both engines with enforce_eager=True (no CUDA graphs): tells graph capture apart.
---trace I,J: chat prompts I, J traced inside the target (trace() below): the first position
+--trace I,J|:N: chat prompts I, J (or the first N) traced inside the target (trace() below): the first position
   whose final hidden state or tap-layer state differs between spec off and spec on.
 """
 from __future__ import annotations
@@ -206,61 +206,62 @@ def e2e(args) -> int:
 
 
 def trace(args) -> int:
-    """--trace: where do spec-off and spec-on first differ, inside the target? Both engines run
-    eagerly (hooks do not run inside CUDA graphs; run 34 found the same differences eager as
-    with graphs) on each chosen prompt, c = 1; a forward hook on the target records, per row,
-    the final hidden state and the tap layers' hidden states keyed by (position, input token)
-    (a verify row whose draft was rejected is overwritten when that position is verified
-    again). Along the committed sequence the two runs are then compared bit for bit: the first
-    position whose final hidden (or any tap layer) differs, the largest difference there, and
-    the first position whose sampled token differs."""
+    """--trace: where do spec-off and spec-on first differ, inside the target? Each engine runs
+    the chosen chat prompts once, c = 1, eagerly (hooks do not run inside CUDA graphs; run 34
+    found the same differences eager as with graphs), prefix caching off (every prompt row is
+    recomputed). While the target's forward runs, every ops/dispatch call's output is
+    fingerprinted per row (`_record_ops`), and a forward hook keeps each row's final hidden
+    state; rows are keyed by (prompt, position, input token): a verify row whose draft was
+    rejected is replaced when that position is verified again. Along each committed sequence
+    the two runs are compared: the first position where any op's row differs and which op
+    (the root: a K/V row that differs changes later positions' attention), the first position
+    whose final hidden differs, and the first sampled token that differs."""
     import eval_draft
     import numpy as np
 
     prompts = [list(eval_draft.CHAT_PROMPTS)[i] for i in args.trace]
+    runs = {}
+    for name, draft in (("off", None), ("on", args.draft)):
+        hidden: dict[tuple[int, int, int], np.ndarray] = {}
+        ops: dict[tuple[int, int, int], np.ndarray] = {}
+        e = eval_draft.build(None, draft, prompts, 1, max_tokens=args.max_tokens, device=args.device,
+                             batch_invariant=False, max_model_len=2048, gpu_memory_utilization=0.9,
+                             draft_length=args.draft_lengths.split(",")[0] if draft else None,
+                             enforce_eager=True, num_gpu_blocks_override=4096, cpu_weights="none",
+                             enable_prefix_caching=False)
+        target = e["llm"].engine.runner.models.target
+        target.backend = None  # the CPU's fast layer loop bypasses ops/dispatch (the GPU has none)
+        names: list[str] = []
+        handles = _record_ops(target, hidden, ops, names)
+        eval_draft.timed_pass(e)
+        for h in handles:
+            h.remove()
+        seqs = [(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids)) for o in e["outs"]]
+        runs[name] = (seqs, hidden, ops)
+        eval_draft.finish(e)
     out = []
-    for i, prompt in zip(args.trace, prompts):
-        runs = {}
-        for name, draft in (("off", None), ("on", args.draft)):
-            rec: dict[tuple[int, int], tuple[np.ndarray, np.ndarray | None]] = {}
-
-            def hook(mod, inputs, output, rec=rec):
-                ids, positions = inputs[0], inputs[1]
-                hidden, taps = output if isinstance(output, tuple) else (output, None)
-                ids, positions = ids.tolist(), positions.tolist()
-                h = hidden.float().cpu().numpy()
-                t = None if taps is None else taps.float().cpu().numpy()
-                for r, (tok, pos) in enumerate(zip(ids, positions)):
-                    rec[(pos, tok)] = (h[r], None if t is None else t[r])
-
-            e = eval_draft.build(None, draft, [prompt], 1, max_tokens=args.max_tokens, device=args.device,
-                                 batch_invariant=False, max_model_len=2048, gpu_memory_utilization=0.9,
-                                 draft_length=args.draft_lengths.split(",")[0] if draft else None,
-                                 enforce_eager=True, num_gpu_blocks_override=4096,
-                                 enable_prefix_caching=False)  # every prompt row recomputed (the warm-up shares a prefix)
-            target = e["llm"].engine.runner.models.target
-            handle = target.register_forward_hook(hook)
-            eval_draft.timed_pass(e)
-            handle.remove()
-            seq = list(e["outs"][0].prompt_token_ids) + list(e["outs"][0].outputs[0].token_ids)
-            runs[name] = (seq, rec, len(e["outs"][0].prompt_token_ids))
-            eval_draft.finish(e)
-        (s_off, r_off, n_prompt), (s_on, r_on, _) = runs["off"], runs["on"]
+    (seqs_off, h_off, o_off), (seqs_on, h_on, o_on) = runs["off"], runs["on"]
+    for q, ((s_off, n_prompt), (s_on, _)) in enumerate(zip(seqs_off, seqs_on)):
         first_tok = next((j for j, (a, b) in enumerate(zip(s_off, s_on)) if a != b), None)
         end = min(len(s_off), len(s_on)) if first_tok is None else first_tok + 1
-        row = {"prompt": i, "first_token_diff": None if first_tok is None else first_tok - n_prompt,
-               "first_hidden_diff": None, "first_tap_diff": None, "missing": 0}
+        row = {"prompt": args.trace[q], "first_token_diff": None if first_tok is None else first_tok - n_prompt,
+               "first_op_diff": None, "first_hidden_diff": None, "missing": 0}
         for pos in range(end - 1):  # the row at pos predicts the token at pos + 1
-            a, b = r_off.get((pos, s_off[pos])), r_on.get((pos, s_on[pos]))
-            if a is None or b is None:
+            ka, kb = (q, pos, s_off[pos]), (q, pos, s_on[pos])
+            if ka not in h_off or kb not in h_on:
                 row["missing"] += 1
                 continue
-            if row["first_tap_diff"] is None and a[1] is not None and b[1] is not None and not np.array_equal(a[1], b[1]):
-                row["first_tap_diff"] = pos - n_prompt
-                row["tap_max_abs_diff"] = float(np.abs(a[1] - b[1]).max())
-            if not np.array_equal(a[0], b[0]):
+            oa, ob = o_off[ka], o_on[kb]
+            if row["first_op_diff"] is None and not np.array_equal(oa, ob):
+                j = int(np.argmax(oa != ob)) if len(oa) == len(ob) else min(len(oa), len(ob))
+                per_layer = [n for n in names[:j]]
+                row["first_op_diff"] = {"position": pos - n_prompt, "op_index": j, "ops_per_forward": len(oa),
+                                        "op": names[j] if j < len(names) else None,
+                                        "ops_before_in_call_order": per_layer[-3:],
+                                        "ops_differing_there": int((oa != ob).sum()) if len(oa) == len(ob) else None}
+            if not np.array_equal(h_off[ka], h_on[kb]):
                 row["first_hidden_diff"] = pos - n_prompt
-                row["hidden_max_abs_diff"] = float(np.abs(a[0] - b[0]).max())
+                row["hidden_max_abs_diff"] = float(np.abs(h_off[ka] - h_on[kb]).max())
                 break
         out.append(row)
         print(json.dumps(row), flush=True)
@@ -268,6 +269,74 @@ def trace(args) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+_TRACED_OPS = ("linear", "rms_norm", "add_rms_norm", "qk_norm_rope", "paged_attention", "silu_and_mul")
+
+
+def _record_ops(target, hidden: dict, ops: dict, names: list) -> list:
+    """While `target.forward` runs: each ops/dispatch call's output (every part of a tuple),
+    per row, fingerprinted on the device (the row's bits as int32 words times fixed odd
+    multipliers, summed in int64: exact, so the fingerprint's own reduction order cannot
+    matter), one transfer per forward; ops[(prompt, position, input token)] = the row's
+    fingerprints in call order, `names` their op names, hidden[...] the row's final hidden
+    state. The prompt index advances at each forward that starts at position 0 (c = 1,
+    prefix caching off). Returns handles whose remove() undoes the patching."""
+
+    from dflash_engine.ops import dispatch
+
+    live: dict = {"prompt": -1}
+    mults: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def fingerprint(t: torch.Tensor, n: int) -> torch.Tensor | None:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
+            return None
+        w = t.detach().contiguous().view(n, -1)
+        w = w.view(torch.int16).to(torch.int64) if w.element_size() == 2 else w.view(torch.int32).to(torch.int64)
+        key = (w.shape[1], w.device)
+        if key not in mults:
+            g = torch.Generator().manual_seed(w.shape[1])
+            mults[key] = (torch.randint(1, 2**31 - 1, (w.shape[1],), generator=g, dtype=torch.int64) | 1).to(w.device)
+        return (w * mults[key]).sum(-1)
+
+    def wrap(name, fn):
+        def traced(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if "rows" in live:
+                for part, t in enumerate(out if isinstance(out, tuple) else (out,)):
+                    f = fingerprint(t, live["n"])
+                    if f is not None:
+                        live["rows"].append(f)
+                        if live["first"]:
+                            names.append(f"{name}.{part}")
+            return out
+        return traced
+
+    saved = {name: getattr(dispatch, name) for name in _TRACED_OPS}
+    for name, fn in saved.items():
+        setattr(dispatch, name, wrap(name, fn))
+
+    def pre(mod, args):
+        ids, positions = args[0], args[1]
+        pos = positions.tolist()
+        if pos[0] == 0:
+            live["prompt"] += 1
+        live.update(rows=[], n=len(pos), keys=[(live["prompt"], p, t) for p, t in zip(pos, ids.tolist())],
+                    first=not names)
+
+    def post(mod, args, output):
+        h = (output[0] if isinstance(output, tuple) else output).float().cpu().numpy()
+        f = torch.stack(live.pop("rows"), dim=1).cpu().numpy()  # [T, ops]
+        for r, key in enumerate(live.pop("keys")):
+            ops[key], hidden[key] = f[r], h[r]
+        live.pop("n"), live.pop("first")
+
+    class _Undo:
+        def remove(self):
+            for name, fn in saved.items():
+                setattr(dispatch, name, fn)
+
+    return [target.register_forward_pre_hook(pre), target.register_forward_hook(post), _Undo()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft-lengths", default="15,adaptive")
-    ap.add_argument("--trace", type=lambda v: [int(x) for x in v.split(",")], default=None, metavar="I,J",
-                    help="chat prompts (indices) to trace inside the target (needs --draft)")
+    ap.add_argument("--trace", type=lambda v: [int(x) for x in v.split(",")] if "," in v or not v.startswith(":")
+                    else list(range(int(v[1:]))), default=None, metavar="I,J|:N",
+                    help="chat prompts (indices, or :N for the first N) to trace inside the target (needs --draft)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda", help="--e2e and --trace (cpu: a smoke run)")
     args = ap.parse_args(argv)
