@@ -20,6 +20,37 @@ from server_fixtures import fresh_server, models_root, spec_off_server, spec_on_
 from tiny_models import make_tiny_dflash_draft, make_tiny_llama, make_tiny_qwen3
 
 
+def _row_invariant_interpreter_dot() -> None:
+    """The interpreter computes tl.dot with np.matmul, i.e. the machine's BLAS, whose sgemm
+    gives a row different bits depending on where it sits in the tile (OpenBLAS: rows 6-11
+    of each 12 differ from the same row at row 0). A GPU's MMA computes every output element
+    the same way whatever its row, and the batch-invariance tests compare a row alone with
+    the same row inside a block: under the interpreter they would test BLAS. So in the test
+    session a float32/float16 dot is a plain loop (np.einsum without BLAS over contiguous
+    operands: each element's sum runs over k in order, whatever its row or the layout)."""
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    builder = getattr(ti, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or not hasattr(ti, "TensorHandle"):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        ok = (np.float32, np.float16)
+        if a.data.dtype not in ok or b.data.dtype not in ok or d.data.dtype != np.float32:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        prod = np.einsum("...mk,...kn->...mn", np.ascontiguousarray(a.data, np.float32),
+                         np.ascontiguousarray(b.data, np.float32), optimize=False)
+        return ti.TensorHandle(prod + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_invariant_interpreter_dot()
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))

@@ -343,16 +343,23 @@ def test_warmup_launches_every_block_size_causal_and_split_variant(monkeypatch):
     seen = set()
     real = ka.paged_attention
 
-    def spy(q, *a, num_splits=None, **k):
+    def spy(q, *a, num_splits=None, split_keys=None, **k):
         causal = a[6]
         geometry = ka.tile_geometry(q.shape[0], q.shape[1] // a[0].shape[2], q.shape[2], False)
-        seen.add((geometry[0], causal, num_splits > 1))
-        return real(q, *a, num_splits=num_splits, **k)
+        if split_keys is None:
+            seen.add((geometry[0], causal, num_splits > 1))
+        else:
+            seen.add(("decode rule", split_keys // geometry[2]))
+        return real(q, *a, num_splits=num_splits, split_keys=split_keys, **k)
 
     monkeypatch.setattr(ka, "paged_attention", spy)
     n = ka.warmup(8, 2, 32, 16, torch.float32, torch.device("cpu"))
     block_qs = {ka.tile_geometry(q, 4, 32, False)[0] for q in range(1, 512)}
-    assert seen == {(b, c, s) for b in block_qs for c in (True, False) for s in (True, False)}
+    rule = {ka.decode_split_keys(r, kv, 1, bn)[0] // bn for r in range(1, 300) for kv in (1, 2, 3, 4, 8)
+            for bn in (32, 64) if ka.decode_split_keys(r, kv, 1, bn)[0] is not None}
+    assert rule <= set(ka._DECODE_SPLIT_TILES)
+    assert seen == ({(b, c, s) for b in block_qs for c in (True, False) for s in (True, False)}
+                    | {("decode rule", t) for t in ka._DECODE_SPLIT_TILES})
     assert n == len(seen)
 
 
@@ -379,3 +386,54 @@ def test_default_mode_decode_row_shares_the_verify_blocks_geometry_and_bits():
         alone = ka.paged_attention(block[i:i + 1].contiguous(), k_cache, v_cache, one,
                                    torch.tensor([ctx - 15 + i], dtype=torch.int32), table, 0.2, True, 1)
         assert torch.equal(alone[0], verify[i]), i
+
+
+@pytest.mark.parametrize("others", [0, 2])
+def test_default_mode_decode_row_equals_its_verify_row_across_tile_and_split_boundaries(others):
+    """A token decoded alone gets the bits it gets inside a 16-row verify block, at the same
+    batch, wherever the block sits: blocks that straddle a key tile (64 keys) or a split
+    boundary, page tables as wide as each call needs (eager) or one wide table (a graph
+    bucket). Before the decode rule (decode_split_keys + every tile masked), the count rule's
+    boundaries moved with the block's last row and the first rows of a straddling block took
+    the masked path where the lone row took the fast one (run 35's trace on the H200)."""
+    from dflash_engine.kernels import attention as ka
+
+    torch.manual_seed(1)
+    page, n_kv, heads, d = 16, 2, 6, 32
+    other_ctx = [97, 301][:others]
+    for ctx in (70, 130, 260):
+        lens = [ctx, *other_ctx]
+        need = [_pages_for(n, page) for n in lens]
+        k_cache = torch.randn(1 + sum(need), page, n_kv, d)
+        v_cache = torch.randn_like(k_cache)
+        starts = [1 + sum(need[:r]) for r in range(len(lens))]
+        wide = torch.zeros(len(lens), 24, dtype=torch.int32)
+        for r, (s0, n) in enumerate(zip(starts, need)):
+            wide[r, :n] = torch.arange(s0, s0 + n, dtype=torch.int32)
+        q_block = torch.randn(16, heads, d)
+        q_others = torch.randn(others, heads, d)
+        # verify: the block (16 rows) and each other request's one decode row; tables sized to need
+        qsl = torch.tensor([0, 16, *range(17, 17 + others)], dtype=torch.int32)
+        verify = ka.paged_attention(torch.cat([q_block, q_others]), k_cache, v_cache, qsl,
+                                    torch.tensor(lens, dtype=torch.int32), wide[:, :max(need)].contiguous(), 0.2,
+                                    True, 16)
+        one = torch.arange(0, 2 + others, dtype=torch.int32)
+        for i in (0, 5, 6, 7, 14, 15):
+            alone = ka.paged_attention(torch.cat([q_block[i:i + 1], q_others]), k_cache, v_cache, one,
+                                       torch.tensor([ctx - 15 + i, *other_ctx], dtype=torch.int32), wide, 0.2,
+                                       True, 1)
+            assert torch.equal(alone[0], verify[i]), (ctx, i)
+            assert torch.equal(alone[1:], verify[16:])
+
+
+def test_decode_split_keys_is_a_function_of_the_batch_only():
+    from dflash_engine.kernels import attention as ka
+
+    assert ka.decode_split_keys(32, 8, 1, 64) == (None, 1)  # 256 programs fill two waves: no split
+    keys, count = ka.decode_split_keys(1, 8, 1, 64)
+    assert count is None and keys == 128  # a lone request: two-tile splits (8 over 1,024 keys)
+    for r in range(1, 64):
+        keys, count = ka.decode_split_keys(r, 3, 1, 64)
+        assert (keys is None) == (count == 1)
+        if keys is not None:
+            assert keys % 128 == 0 and (keys // 64) & (keys // 64 - 1) == 0

@@ -54,14 +54,17 @@ writes lse = -inf for it and weighs nothing in the combine.
 
 The exact (batch-invariant) mode
 --------------------------------
-By default the split count comes from the batch (`choose_num_splits`) and the tile shape
-from the longest query, floored at ``DECODE_TILE_ROWS`` query rows: a decode row (1 row per
-request) and the same row inside a verify block of up to 16 rows run the same tile geometry
-(the same dot instructions), so at the same batch they agree bit for bit (measured on the
-H200: 16 of 16 rows, against 4-15 with the decode call's own geometry; no measurable cost,
-docs/GPU_NOTES.md run 27). The split count still follows the batch, and prefill rows use
-wider tiles, so in general a row's bits depend on the step it runs in. ``exact=True`` makes
-a row's result a function of its own context only:
+By default the tile shape comes from the longest query, floored at ``DECODE_TILE_ROWS``
+query rows: a decode row (1 row per request) and the same row inside a verify block of up to
+16 rows run the same tile geometry (the same dot instructions; run 27). Such calls (causal,
+no window) also take their splits from the batch alone (`decode_split_keys`: fixed-size
+splits, their size from requests x KV heads, never from a row's context, the block's length
+or the table's width) and put every tile on the masked path, so at the same batch a token
+decoded alone and the same token in a verify block agree bit for bit: speculation does not
+change a greedy output at c = 1. Longer queries (prefill chunks, mixed steps) split by count
+(`choose_num_splits`, boundaries at cdiv(the block's tiles, count)) with the fast path for
+fully visible tiles, so a decode row inside a mixed step can still differ. ``exact=True``
+makes a row's result a function of its own context only:
 
 - splits of a fixed size in keys (``split_keys``): split ``s`` always covers key tiles
   ``[s * SPLIT_TILES, (s + 1) * SPLIT_TILES)``, whatever the grid. A row has one partial
@@ -386,6 +389,35 @@ def _pick_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, in
     return block_q, block_m, block_n
 
 
+# The decode rule's split size assumes contexts of about this many keys (decode_split_keys).
+DECODE_SPLIT_CONTEXT = 1024
+# Key tiles per split that decode_split_keys can return (2 .. DECODE_SPLIT_CONTEXT / 32).
+_DECODE_SPLIT_TILES = (2, 4, 8, 16)
+
+
+def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: int,
+                      num_sms: int = 132) -> tuple[int | None, int | None]:
+    """The default mode's context splits for causal calls of at most DECODE_TILE_ROWS query
+    rows (decode steps and verify blocks): (split_keys, None), fixed-size splits, or (None, 1),
+    none. A function of the batch (requests x KV heads x query blocks: the same for a decode
+    call and a verify call of one bucket) and never of a row's context, the block's length or
+    the page-table width, so a token decoded alone and the same token inside a verify block
+    meet the same split boundaries (and, with every tile on the masked path, the same code):
+    the same bits. `choose_num_splits`' count rule put a block's boundaries at
+    cdiv(its tiles, count), which moved when a verify block's last row crossed a key tile,
+    and took its count from the table's width (run 35's trace: the attention was the first
+    op whose row differed between spec off and spec on, in every differing prompt).
+    As many splits as `choose_num_splits` would give a context of DECODE_SPLIT_CONTEXT keys
+    (~2 waves over the SMs, at most MAX_SPLITS), each at least two key tiles and a power of
+    two of them; a longer context gets more splits of the same size (programs past a block's
+    keys exit at once)."""
+    count = min(2 * num_sms // max(1, num_requests * n_kv * num_q_blocks), MAX_SPLITS)
+    if count < 2:
+        return None, 1
+    # A power of two of tiles: SPLIT_TILES is a compile-time constant (few variants to warm).
+    return block_n * max(2, triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count))), None
+
+
 def tile_geometry(max_query_len: int, group: int, head_dim: int, exact: bool) -> tuple[int, int, int]:
     """(BLOCK_Q, BLOCK_M, BLOCK_N) of a call: the exact mode's one geometry, else the longest
     query's, at least DECODE_TILE_ROWS rows."""
@@ -468,6 +500,13 @@ def paged_attention(
         assert num_splits is None or split_keys is None, "num_splits or split_keys, not both"
     block_q, block_m, block_n = tile_geometry(max_query_len, group, head_dim, exact)
     num_q_blocks = triton.cdiv(max_query_len, block_q)
+    # Decode and verify calls (causal, <= DECODE_TILE_ROWS rows) of the default mode: every
+    # tile on the masked path (which tiles take the fast path moves with the block's first
+    # row), and the splits of `decode_split_keys` unless the caller chose them.
+    decode_rule = not exact and causal and not window and max_query_len <= DECODE_TILE_ROWS
+    if decode_rule and num_splits is None and split_keys is None:
+        split_keys, num_splits = decode_split_keys(num_requests, n_kv, num_q_blocks, block_n, _num_sms(q.device))
+    all_masked = bool(exact or decode_rule)
     # Keys one query block can span: the table's, or at most its rows' windows.
     span = max_pages * page_size
     if window:
@@ -508,7 +547,7 @@ def paged_attention(
         page_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed,
-        SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=bool(exact), DOT_PRECISION=precision,
+        SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=all_masked, DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:  # (with one split every row was final in the main kernel)
@@ -557,4 +596,15 @@ def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.
                     paged_attention(qt, kc, vc, qsl, lens, table, 1.0, causal, q_len, num_splits=splits,
                                     exact=exact, window=window)
                     n += 1
+    if not exact:  # the decode rule's fixed-size splits (decode_split_keys), two splits' context
+        block_n = tile_geometry(1, group, head_dim, False)[2]
+        for tiles in _DECODE_SPLIT_TILES:
+            pages = triton.cdiv(2 * tiles * block_n, page_size)
+            kc = torch.zeros(pages, page_size, n_kv, head_dim, dtype=dtype, device=device)
+            table = torch.arange(pages, dtype=torch.int32, device=device)[None]
+            lens = torch.tensor([pages * page_size], dtype=torch.int32, device=device)
+            qt = torch.zeros(1, n_heads, head_dim, dtype=dtype, device=device)
+            paged_attention(qt, kc, torch.zeros_like(kc), torch.tensor([0, 1], dtype=torch.int32, device=device),
+                            lens, table, 1.0, True, 1, split_keys=tiles * block_n)
+            n += 1
     return n
