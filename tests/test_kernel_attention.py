@@ -353,7 +353,7 @@ def test_warmup_launches_every_block_size_causal_and_split_variant(monkeypatch):
         return real(q, *a, num_splits=num_splits, split_keys=split_keys, **k)
 
     monkeypatch.setattr(ka, "paged_attention", spy)
-    n = ka.warmup(8, 2, 32, 16, torch.float32, torch.device("cpu"))
+    n = ka.warmup(8, 2, 32, 16, torch.float32, torch.device(DEVICE))
     block_qs = {ka.tile_geometry(q, 4, 32, False)[0] for q in range(1, 512)}
     rule = {ka.decode_split_keys(r, kv, 1, bn)[0] // bn for r in range(1, 300) for kv in (1, 2, 3, 4, 8)
             for bn in (32, 64) if ka.decode_split_keys(r, kv, 1, bn)[0] is not None}
@@ -374,17 +374,17 @@ def test_default_mode_decode_row_shares_the_verify_blocks_geometry_and_bits():
         assert all(ka.tile_geometry(q, group, head_dim, False) == want for q in (1, 2, 4, 8, 16))
     torch.manual_seed(0)
     page, n_kv, heads, d, ctx = 16, 2, 6, 32, 200  # 16 verify rows at positions 184..199: 4 key tiles each
-    k_cache = torch.randn(20, page, n_kv, d)
-    v_cache = torch.randn(20, page, n_kv, d)
-    table = torch.arange(1, 14, dtype=torch.int32)[None]
-    block = torch.randn(16, heads, d)
-    qsl = torch.tensor([0, 16], dtype=torch.int32)
-    verify = ka.paged_attention(block, k_cache, v_cache, qsl, torch.tensor([ctx], dtype=torch.int32), table, 0.2,
-                                True, 16)
-    one = torch.tensor([0, 1], dtype=torch.int32)
+    k_cache = torch.randn(20, page, n_kv, d, device=DEVICE)
+    v_cache = torch.randn(20, page, n_kv, d, device=DEVICE)
+    table = torch.arange(1, 14, dtype=torch.int32, device=DEVICE)[None]
+    block = torch.randn(16, heads, d, device=DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 16], **i32)
+    verify = ka.paged_attention(block, k_cache, v_cache, qsl, torch.tensor([ctx], **i32), table, 0.2, True, 16)
+    one = torch.tensor([0, 1], **i32)
     for i in range(16):
         alone = ka.paged_attention(block[i:i + 1].contiguous(), k_cache, v_cache, one,
-                                   torch.tensor([ctx - 15 + i], dtype=torch.int32), table, 0.2, True, 1)
+                                   torch.tensor([ctx - 15 + i], **i32), table, 0.2, True, 1)
         assert torch.equal(alone[0], verify[i]), i
 
 
@@ -404,24 +404,23 @@ def test_default_mode_decode_row_equals_its_verify_row_across_tile_and_split_bou
     for ctx in (70, 130, 260):
         lens = [ctx, *other_ctx]
         need = [_pages_for(n, page) for n in lens]
-        k_cache = torch.randn(1 + sum(need), page, n_kv, d)
+        i32 = dict(dtype=torch.int32, device=DEVICE)
+        k_cache = torch.randn(1 + sum(need), page, n_kv, d, device=DEVICE)
         v_cache = torch.randn_like(k_cache)
         starts = [1 + sum(need[:r]) for r in range(len(lens))]
-        wide = torch.zeros(len(lens), 24, dtype=torch.int32)
+        wide = torch.zeros(len(lens), 24, **i32)
         for r, (s0, n) in enumerate(zip(starts, need)):
-            wide[r, :n] = torch.arange(s0, s0 + n, dtype=torch.int32)
-        q_block = torch.randn(16, heads, d)
-        q_others = torch.randn(others, heads, d)
+            wide[r, :n] = torch.arange(s0, s0 + n, **i32)
+        q_block = torch.randn(16, heads, d, device=DEVICE)
+        q_others = torch.randn(others, heads, d, device=DEVICE)
         # verify: the block (16 rows) and each other request's one decode row; tables sized to need
-        qsl = torch.tensor([0, 16, *range(17, 17 + others)], dtype=torch.int32)
+        qsl = torch.tensor([0, 16, *range(17, 17 + others)], **i32)
         verify = ka.paged_attention(torch.cat([q_block, q_others]), k_cache, v_cache, qsl,
-                                    torch.tensor(lens, dtype=torch.int32), wide[:, :max(need)].contiguous(), 0.2,
-                                    True, 16)
-        one = torch.arange(0, 2 + others, dtype=torch.int32)
+                                    torch.tensor(lens, **i32), wide[:, :max(need)].contiguous(), 0.2, True, 16)
+        one = torch.arange(0, 2 + others, **i32)
         for i in (0, 5, 6, 7, 14, 15):
             alone = ka.paged_attention(torch.cat([q_block[i:i + 1], q_others]), k_cache, v_cache, one,
-                                       torch.tensor([ctx - 15 + i, *other_ctx], dtype=torch.int32), wide, 0.2,
-                                       True, 1)
+                                       torch.tensor([ctx - 15 + i, *other_ctx], **i32), wide, 0.2, True, 1)
             assert torch.equal(alone[0], verify[i]), (ctx, i)
             assert torch.equal(alone[1:], verify[16:])
 

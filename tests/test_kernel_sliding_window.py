@@ -237,14 +237,15 @@ def test_exact_draft_block_alone_equals_the_block_in_a_batch_of_5(window, dtype,
 
 def test_warmup_covers_the_windowed_variants(monkeypatch):
     """warmup(windowed=True) launches every variant of warmup() with and without a window
-    (the kernels specialise on a window being set); the default leaves them out."""
+    (the kernels specialise on a window being set); the default leaves them out. The decode
+    rule's fixed-size splits (decode_split_keys) apply without a window only: once."""
     from dflash_engine.kernels import attention as ka
 
     seen = []
     real = ka.paged_attention
 
     def spy(q, *a, window=None, **k):
-        seen.append((q.shape[0], a[6], k.get("num_splits"), k.get("exact"), bool(window)))
+        seen.append((q.shape[0], a[6], k.get("num_splits"), k.get("split_keys"), k.get("exact"), bool(window)))
         return real(q, *a, window=window, **k)
 
     monkeypatch.setattr(ka, "paged_attention", spy)
@@ -255,5 +256,7 @@ def test_warmup_covers_the_windowed_variants(monkeypatch):
         base = {v[:-1] for v in seen}
         seen.clear()
         n = ka.warmup(8, 1, 16, 16, torch.float32, torch.device(DEVICE), exact=exact, windowed=True)
-        assert n == 2 * plain == len(seen)
-        assert set(seen) == {v + (w,) for v in base for w in (False, True)}
+        rule = sum(1 for v in base if v[3] is not None)
+        assert rule == (0 if exact else len(ka._DECODE_SPLIT_TILES))
+        assert n == 2 * plain - rule == len(seen)
+        assert set(seen) == {v + (w,) for v in base for w in ((False, True) if v[3] is None else (False,))}
