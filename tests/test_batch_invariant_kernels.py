@@ -321,6 +321,37 @@ def test_bf16_exact_mode_spec_on_equals_spec_off_on_the_gpu(trained, enforce_eag
     assert alone == on
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_bf16_exact_mode_with_chunked_prefill_and_preemption_on_the_gpu(trained):
+    """Issue 21 at c = 1, 8 and 32 under pressure: prompts of 8..47 tokens prefilled in
+    chunks of a 48-token step budget beside decoding requests, and a 24-page pool that
+    preempts (and recomputes) requests at c = 8 and 32: spec on equals spec off alone."""
+    from draft_training import random_prompts
+
+    from dflash_engine import LLM, SamplingParams
+
+    base = random_prompts(32, 47, seed=99).tolist()
+    ps = [{"prompt_token_ids": p[:8 + (7 * i) % 40]} for i, p in enumerate(base)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "dflash", "model": str(trained.draft), "draft_length": "fixed"}
+
+    def run(max_num_seqs, speculative_config=None):
+        llm = LLM(model=str(trained.target), device="cuda", dtype="bfloat16", batch_invariant=True,
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=48, num_gpu_blocks_override=24,
+                  speculative_config=speculative_config)
+        out = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        return out, llm.stats()
+
+    alone, _ = run(1)
+    for c in (1, 8, 32):
+        on, stats = run(c, spec)
+        assert on == alone, c
+        assert stats.mean_acceptance_length > 1.3
+        if c > 1:
+            assert stats.num_preemptions > 0, c
+
+
 def test_warmup_compiles_the_exact_variants():
     from dflash_engine.kernels.attention import warmup
 
