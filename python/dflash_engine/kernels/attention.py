@@ -96,7 +96,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention_splits import MAX_SPLITS, _combine_splits_kernel, _row_splits, _window_lo, choose_num_splits
+from .attention_splits import (
+    _DECODE_SPLIT_TILES,
+    MAX_SPLITS,
+    _combine_splits_kernel,
+    _row_splits,
+    _window_lo,
+    choose_num_splits,
+    decode_split_keys,
+)
 
 __all__ = ["store_kv", "paged_attention", "choose_num_splits", "MAX_SPLITS"]
 
@@ -387,35 +395,6 @@ def _pick_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, in
     block_m = max(16, triton.next_power_of_2(block_q * group))  # tl.dot needs M >= 16
     block_n = 64 if head_dim <= 128 else 32
     return block_q, block_m, block_n
-
-
-# The decode rule's split size assumes contexts of about this many keys (decode_split_keys).
-DECODE_SPLIT_CONTEXT = 1024
-# Key tiles per split that decode_split_keys can return (2 .. DECODE_SPLIT_CONTEXT / 32).
-_DECODE_SPLIT_TILES = (2, 4, 8, 16)
-
-
-def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: int,
-                      num_sms: int = 132) -> tuple[int | None, int | None]:
-    """The default mode's context splits for causal calls of at most DECODE_TILE_ROWS query
-    rows (decode steps and verify blocks): (split_keys, None), fixed-size splits, or (None, 1),
-    none. A function of the batch (requests x KV heads x query blocks: the same for a decode
-    call and a verify call of one bucket) and never of a row's context, the block's length or
-    the page-table width, so a token decoded alone and the same token inside a verify block
-    meet the same split boundaries (and, with every tile on the masked path, the same code):
-    the same bits. `choose_num_splits`' count rule put a block's boundaries at
-    cdiv(its tiles, count), which moved when a verify block's last row crossed a key tile,
-    and took its count from the table's width (run 35's trace: the attention was the first
-    op whose row differed between spec off and spec on, in every differing prompt).
-    As many splits as `choose_num_splits` would give a context of DECODE_SPLIT_CONTEXT keys
-    (~2 waves over the SMs, at most MAX_SPLITS), each at least two key tiles and a power of
-    two of them; a longer context gets more splits of the same size (programs past a block's
-    keys exit at once)."""
-    count = min(2 * num_sms // max(1, num_requests * n_kv * num_q_blocks), MAX_SPLITS)
-    if count < 2:
-        return None, 1
-    # A power of two of tiles: SPLIT_TILES is a compile-time constant (few variants to warm).
-    return block_n * max(2, triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count))), None
 
 
 def tile_geometry(max_query_len: int, group: int, head_dim: int, exact: bool) -> tuple[int, int, int]:

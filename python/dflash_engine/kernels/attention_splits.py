@@ -1,9 +1,11 @@
 """Context splits of the paged attention (kernels/attention.py): how many, which of them a
 packed row reads, and the kernel that combines their partials.
 
-Two split rules: by count (``num_splits`` programs share a query block's key tiles; the
-count comes from `choose_num_splits`) and fixed-size (split ``s`` covers key tiles
-``[s * SPLIT_TILES, (s + 1) * SPLIT_TILES)`` whatever the grid; the exact mode's rule). With
+Split rules: by count (``num_splits`` programs share a query block's key tiles; the count
+comes from `choose_num_splits`) and fixed-size (split ``s`` covers key tiles
+``[s * SPLIT_TILES, (s + 1) * SPLIT_TILES)`` whatever the grid: the exact mode's rule, and
+the default mode's for decode and verify calls with a size from the batch alone,
+`decode_split_keys`). With
 a sliding window a fixed-size split's program axis starts at the query block's first split
 (the one holding its first row's window start), so splits wholly before every row's window
 are neither launched nor given partial memory; partial ``j`` of a block is split
@@ -14,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_SPLITS", "choose_num_splits"]
+__all__ = ["MAX_SPLITS", "choose_num_splits", "decode_split_keys"]
 
 # Most context splits per call: bounds the fp32 partial buffers (and gains nothing beyond).
 MAX_SPLITS = 32
@@ -46,6 +48,35 @@ def choose_num_splits(
     target = 2 * num_sms
     useful = max(1, -(-(max_pages * page_size) // block_n) // 2)
     return max(1, min(target // programs, useful, MAX_SPLITS))
+
+
+# The decode rule's split size assumes contexts of about this many keys (decode_split_keys).
+DECODE_SPLIT_CONTEXT = 1024
+# Key tiles per split that decode_split_keys can return (2 .. DECODE_SPLIT_CONTEXT / 32).
+_DECODE_SPLIT_TILES = (2, 4, 8, 16)
+
+
+def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: int,
+                      num_sms: int = 132) -> tuple[int | None, int | None]:
+    """The default mode's context splits for causal calls of at most DECODE_TILE_ROWS (attention.py)
+    query rows (decode steps and verify blocks): (split_keys, None), fixed-size splits, or (None, 1),
+    none. A function of the batch (requests x KV heads x query blocks: the same for a decode
+    call and a verify call of one bucket) and never of a row's context, the block's length or
+    the page-table width, so a token decoded alone and the same token inside a verify block
+    meet the same split boundaries (and, with every tile on the masked path, the same code):
+    the same bits. `choose_num_splits`' count rule put a block's boundaries at
+    cdiv(its tiles, count), which moved when a verify block's last row crossed a key tile,
+    and took its count from the table's width (run 35's trace: the attention was the first
+    op whose row differed between spec off and spec on, in every differing prompt).
+    As many splits as `choose_num_splits` would give a context of DECODE_SPLIT_CONTEXT keys
+    (~2 waves over the SMs, at most MAX_SPLITS), each at least two key tiles and a power of
+    two of them; a longer context gets more splits of the same size (programs past a block's
+    keys exit at once)."""
+    count = min(2 * num_sms // max(1, num_requests * n_kv * num_q_blocks), MAX_SPLITS)
+    if count < 2:
+        return None, 1
+    # A power of two of tiles: SPLIT_TILES is a compile-time constant (few variants to warm).
+    return block_n * max(2, triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count))), None
 
 
 @triton.jit
