@@ -407,7 +407,6 @@ def test_killed_worker_fails_the_engine_within_seconds(qwen3_dir):
     assert not tp_children()
 
 
-@pytest.mark.slow
 def _gone(pid: int) -> bool:
     """The process no longer runs: it does not exist any more, or it is a zombie (dead, not yet
     reaped: its exit status can have been collected by another thread's wait on the same child,
@@ -419,6 +418,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_hung_worker_is_bounded_by_the_step_timeout(qwen3_dir, monkeypatch):
     """A worker that stops answering (SIGSTOP: alive, not dead) fails the engine once a
     collective waits DFLASH_TP_TIMEOUT_S for it; it is killed, nothing hangs."""
