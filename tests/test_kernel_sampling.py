@@ -79,6 +79,40 @@ def test_greedy_is_argmax():
     assert want[5] == 10
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_logits_sample_as_their_float32_widening(dtype):
+    """dispatch.logits hands the sampler the GEMM's bf16 logits on the kernel path (no float32
+    copy of [rows, vocabulary]): every row, greedy (ties included) or random with any filter,
+    samples the token it samples from the exact float32 widening of the same logits."""
+    g = gen(21)
+    n, vocab = 29, 1200
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+    logits[4] = torch.randint(-2, 3, (vocab,), generator=g).to(dtype)  # many exact ties
+    wide = logits.float()
+    st = mixed_params(n, vocab, g)
+    assert torch.equal(run(logits, st), run(wide, st))
+    assert torch.equal(run(logits, st, max_top_k=40), run(wide, st, max_top_k=40))
+    st.greedy = torch.ones(n, dtype=torch.bool)
+    assert torch.equal(run(logits, st, all_greedy=True), wide.argmax(-1))
+
+
+def test_default_mode_logits_stay_in_the_models_dtype_on_the_kernel_path(monkeypatch):
+    from dflash_engine.ops import dispatch
+
+    g = gen(22)
+    h = torch.randn(5, 32, generator=g).to(torch.float16).to(DEV)
+    w = torch.randn(300, 32, generator=g).to(torch.float16).to(DEV)
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+    assert dispatch.use_kernels(h)
+    out = dispatch.logits(h, w, batch_invariant=False)
+    assert out.dtype == torch.float16
+    assert torch.equal(out, torch.nn.functional.linear(h, w))
+    assert dispatch.logits(h, w, batch_invariant=True).dtype == torch.float32  # the exact GEMM's float32
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    if not h.is_cuda:  # the torch reference path widens
+        assert dispatch.logits(h.float(), w.float(), batch_invariant=False).dtype == torch.float32
+
+
 def test_stable_topk_is_the_stable_sort_prefix():
     g = gen(9)
     n, vocab = 12, 3000

@@ -263,7 +263,8 @@ def sample(
     max_top_k: int | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """logits [N, V] float32 -> tokens [N] int64 (`out`: an int64 [N] buffer to fill).
+    """logits [N, V] (float32, or bf16/fp16: greedy rows take the argmax as they are, random
+    rows are widened to float32 first) -> tokens [N] int64 (`out`: an int64 [N] buffer to fill).
 
     greedy [N] bool; temperature, top_p, min_p [N] float32; top_k [N] int64 (V when off);
     seed [N] int64 (non-negative); position [N] int64 (the position being sampled).

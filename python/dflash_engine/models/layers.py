@@ -218,7 +218,8 @@ class CausalLM(nn.Module):
         return run_layers(self.model.layers, x, cos, sin, meta, kv.target, self.model.norm, tap_layers)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Float32 logits [N, V] of final-normed hidden rows."""
+        """Logits [N, V] of final-normed hidden rows: float32, or the model's bf16/fp16 on the
+        GPU kernel path in the default mode (dispatch.logits: sampling widens what it needs)."""
         if self.backend is not None:
             return self.backend.compute_logits(hidden)
         logits = dispatch.logits(hidden, self.logits_weight, self.batch_invariant)

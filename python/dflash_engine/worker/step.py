@@ -111,7 +111,8 @@ def draft_pass(m: StepModels, x: StepInputs) -> tuple[Tensor, Tensor]:
 
 def verify_pass(m: StepModels, x: StepInputs, ids: Tensor) -> Tensor:
     """The target over every row, the draft-context write of every row's taps (module
-    doc) -> float32 logits of the sampled rows."""
+    doc) -> logits of the sampled rows (float32, or bf16 on the GPU's default path:
+    dispatch.logits)."""
     state = {} if x.state_meta is None else {"state": m.kv.state, "state_meta": x.state_meta}
     hidden, taps = m.target(ids, x.positions, x.meta, m.kv, m.tap_layers, **state)
     if m.draft is not None:
