@@ -436,3 +436,25 @@ def test_decode_split_keys_is_a_function_of_the_batch_only():
         assert (keys is None) == (count == 1)
         if keys is not None:
             assert keys % 128 == 0 and (keys // 64) & (keys // 64 - 1) == 0
+
+
+def test_decode_split_keys_bounds_the_grid_of_wide_tables():
+    """A wide page table (long max_model_len) gets larger splits, so that requests x splits
+    stays near DECODE_GRID_REQUEST_SPLITS (bounded fp32 partials); tables a page apart (the
+    spec-on engine reserves the verify block's rows) get the same size; the Qwen3-8B shape at
+    8,192 keys (128 tiles, the measured configuration) keeps the table-free rule."""
+    from dflash_engine.kernels import attention as ka
+    from dflash_engine.kernels.attention_splits import DECODE_GRID_REQUEST_SPLITS
+
+    for r in (1, 2, 4, 8, 16):
+        assert ka.decode_split_keys(r, 8, 1, 64, 132, 128) == ka.decode_split_keys(r, 8, 1, 64)
+    for n_kv, block_n in ((4, 32), (3, 64), (8, 64)):
+        for table in (64, 200, 1024, 4096, 20000):
+            for r in (1, 3, 8, 16, 24):
+                keys, count = ka.decode_split_keys(r, n_kv, 1, block_n, 132, table)
+                if keys is None:
+                    continue
+                assert keys >= ka.decode_split_keys(r, n_kv, 1, block_n)[0]
+                assert r * -(-table // (keys // block_n)) <= 2 * DECODE_GRID_REQUEST_SPLITS
+                assert ka.decode_split_keys(r, n_kv, 1, block_n, 132, table + 1) == (keys, count) or \
+                    (table + 1) & table == 0  # only crossing a power of two of tiles may change it

@@ -484,7 +484,8 @@ def paged_attention(
     # row), and the splits of `decode_split_keys` unless the caller chose them.
     decode_rule = not exact and causal and not window and max_query_len <= DECODE_TILE_ROWS
     if decode_rule and num_splits is None and split_keys is None:
-        split_keys, num_splits = decode_split_keys(num_requests, n_kv, num_q_blocks, block_n, _num_sms(q.device))
+        split_keys, num_splits = decode_split_keys(num_requests, n_kv, num_q_blocks, block_n, _num_sms(q.device),
+                                                   triton.cdiv(max_pages * page_size, block_n))
     all_masked = bool(exact or decode_rule)
     # Keys one query block can span: the table's, or at most its rows' windows.
     span = max_pages * page_size

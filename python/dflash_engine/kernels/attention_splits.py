@@ -52,12 +52,17 @@ def choose_num_splits(
 
 # The decode rule's split size assumes contexts of about this many keys (decode_split_keys).
 DECODE_SPLIT_CONTEXT = 1024
-# Key tiles per split that decode_split_keys can return (2 .. DECODE_SPLIT_CONTEXT / 32).
+# Key tiles per split that decode_split_keys returns for tables up to its grid cap (2 ..
+# DECODE_SPLIT_CONTEXT / 32; the warmed variants). Wider tables can need larger splits: those
+# variants compile when the decode graphs are captured at startup.
 _DECODE_SPLIT_TILES = (2, 4, 8, 16)
+# The decode rule's grid: at most this many (request, split) pairs, so that its float32
+# partials stay bounded for long tables (Qwen3.5-27B at 32k, c = 32: 201 MB a call, not 805).
+DECODE_GRID_REQUEST_SPLITS = 512
 
 
 def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: int,
-                      num_sms: int = 132) -> tuple[int | None, int | None]:
+                      num_sms: int = 132, table_tiles: int = 0) -> tuple[int | None, int | None]:
     """The default mode's context splits for causal calls of at most DECODE_TILE_ROWS (attention.py)
     query rows (decode steps and verify blocks): (split_keys, None), fixed-size splits, or (None, 1),
     none. A function of the batch (requests x KV heads x query blocks: the same for a decode
@@ -71,12 +76,25 @@ def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: 
     As many splits as `choose_num_splits` would give a context of DECODE_SPLIT_CONTEXT keys
     (~2 waves over the SMs, at most MAX_SPLITS), each at least two key tiles and a power of
     two of them; a longer context gets more splits of the same size (programs past a block's
-    keys exit at once)."""
+    keys exit at once).
+
+    `table_tiles` (the page table's key tiles) bounds the grid: the splits grow (powers of
+    two) until the table needs at most DECODE_GRID_REQUEST_SPLITS / requests of them, counted
+    on the table rounded down to a power of two of tiles, so that the spec-on and spec-off
+    tables of one model (a page apart: the verify block's reserve) get the same size. A
+    captured graph's table is fixed, so there the rule stays a function of the batch; eager
+    decode calls (`--enforce-eager`) with tables wide enough to hit the cap (contexts past
+    ~DECODE_GRID_REQUEST_SPLITS / requests splits) can meet other sizes from step to step."""
     count = min(2 * num_sms // max(1, num_requests * n_kv * num_q_blocks), MAX_SPLITS)
     if count < 2:
         return None, 1
     # A power of two of tiles: SPLIT_TILES is a compile-time constant (few variants to warm).
-    return block_n * max(2, triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count))), None
+    tiles = max(2, triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count)))
+    if table_tiles > 0:
+        grid_cap = max(2, DECODE_GRID_REQUEST_SPLITS // max(1, num_requests))
+        table_pow2 = 1 << (table_tiles.bit_length() - 1)  # rounded down: a page more or less changes nothing
+        tiles = max(tiles, triton.next_power_of_2(triton.cdiv(table_pow2, grid_cap)))
+    return block_n * tiles, None
 
 
 @triton.jit
