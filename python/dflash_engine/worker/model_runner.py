@@ -32,6 +32,7 @@ from ..models.parallel import rank_config
 from ..ops.dispatch import use_kernels
 from ..runtime_config import RuntimeConfig
 from . import step_costs
+from .deferred_context import DeferredContext
 from .graph_runner import GraphRunner, batch_buckets, bucket_of
 from .in_flight import InFlight
 from .kv_cache import KVCache
@@ -127,6 +128,13 @@ class ModelRunner:
             logger.info("adaptive draft length over K in %s: %s", list(rc.draft_len_candidates),
                         self.step_costs.summary())
         self.step_timer.reset()  # the profile and capture steps are no engine steps
+        # Plain steps keep their draft-context rows for one batched write (deferred_context.py):
+        # the CPU's fast mode (eager steps, one process); enabled only now, after the probes
+        # that ran on a temporary 2-page cache.
+        self.deferred: DeferredContext | None = None
+        if (draft is not None and rc.device.type == "cpu" and not rc.batch_invariant and not self.graphs
+                and tp is None):
+            self.deferred = DeferredContext(self.models.draft, lambda: self.models.kv)
 
     # ---- setup ------------------------------------------------------------------------------
     @property
@@ -227,7 +235,11 @@ class ModelRunner:
         if plan.num_decode == len(plan):
             tag = (bucket_of(self._buckets, len(plan)), plan.block_rows - 1)
         self.step_timer.begin(tag)  # the step's first launch follows (busy/idle marks: step_timer.py)
-        accepted, sampled = run_step(self.models, StepInputs.from_plan(plan, st, self.device), all_greedy)
+        keep = None  # (a batched write of kept rows counts in the busy time of the step that needs it)
+        if getattr(self, "deferred", None) is not None:
+            drafts = bool(plan.draft_rows and plan.num_decode)  # the step has a draft pass (StepInputs)
+            keep = self.deferred.keep if self.deferred.before_step(plan.handles.tolist(), drafts) else None
+        accepted, sampled = run_step(self.models, StepInputs.from_plan(plan, st, self.device), all_greedy, keep)
         r = len(plan)
         rest = torch.zeros(r - (0 if accepted is None else accepted.shape[0]), dtype=torch.int64, device=self.device)
         out = torch.cat([rest, sampled] if accepted is None else [accepted, rest, sampled])

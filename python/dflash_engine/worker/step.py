@@ -109,24 +109,28 @@ def draft_pass(m: StepModels, x: StepInputs) -> tuple[Tensor, Tensor]:
     return x.input_ids.index_put((d.verify_rows,), drafts), drafts
 
 
-def verify_pass(m: StepModels, x: StepInputs, ids: Tensor) -> Tensor:
+def verify_pass(m: StepModels, x: StepInputs, ids: Tensor, keep_context=None) -> Tensor:
     """The target over every row, the draft-context write of every row's taps (module
     doc) -> logits of the sampled rows (float32, or bf16 on the GPU's default path:
-    dispatch.logits)."""
+    dispatch.logits). `keep_context(taps, positions, slots)`: instead of writing, hand the
+    rows over to be written later (deferred_context.py; a step without a draft pass only)."""
     state = {} if x.state_meta is None else {"state": m.kv.state, "state_meta": x.state_meta}
     hidden, taps = m.target(ids, x.positions, x.meta, m.kv, m.tap_layers, **state)
-    if m.draft is not None:
+    if m.draft is not None and keep_context is not None and x.draft is None:
+        keep_context(taps, x.positions, x.meta.slot_mapping)
+    elif m.draft is not None:
         m.draft.write_context(taps, x.positions, x.meta.slot_mapping, m.kv)
     if x.sample_rows is not None:
         hidden = hidden[x.sample_rows]
     return m.target.compute_logits(hidden)
 
 
-def run_step(m: StepModels, x: StepInputs, all_greedy: bool) -> tuple[Tensor | None, Tensor]:
+def run_step(m: StepModels, x: StepInputs, all_greedy: bool, keep_context=None) -> tuple[Tensor | None, Tensor]:
     """-> (accepted drafts per decoding request [num_decode] or None without drafts,
-    sampled token per sampled row). Capturable: no host syncs, static shapes in, static out."""
+    sampled token per sampled row). Capturable: no host syncs, static shapes in, static out
+    (`keep_context`: verify_pass; eager steps only)."""
     ids, drafts = draft_pass(m, x) if x.draft is not None else (x.input_ids, None)
-    sampled = dispatch.sample(verify_pass(m, x, ids), x.sampling, all_greedy)
+    sampled = dispatch.sample(verify_pass(m, x, ids, keep_context), x.sampling, all_greedy)
     if drafts is None:
         return None, sampled
     n, b = x.num_decode, x.block_rows
