@@ -57,6 +57,7 @@ class ModelRunner:
         # the same decode graphs in the same order (their all-reduces inside) and replays the
         # one the broadcast plan selects, so the collectives of all ranks line up.
         self.tp = tp
+        self.deferred: DeferredContext | None = None  # set after the startup probes (below)
         shard = None if tp is None else tp.shard
         size = 1 if tp is None else tp.size
         self.target_config = rank_config(rc.model_config, size)
@@ -131,7 +132,6 @@ class ModelRunner:
         # Plain steps keep their draft-context rows for one batched write (deferred_context.py):
         # the CPU's fast mode (eager steps, one process); enabled only now, after the probes
         # that ran on a temporary 2-page cache.
-        self.deferred: DeferredContext | None = None
         if (draft is not None and rc.device.type == "cpu" and not rc.batch_invariant and not self.graphs
                 and tp is None):
             self.deferred = DeferredContext(self.models.draft, lambda: self.models.kv)
@@ -235,11 +235,11 @@ class ModelRunner:
         if plan.num_decode == len(plan):
             tag = (bucket_of(self._buckets, len(plan)), plan.block_rows - 1)
         self.step_timer.begin(tag)  # the step's first launch follows (busy/idle marks: step_timer.py)
+        x = StepInputs.from_plan(plan, st, self.device)
         keep = None  # (a batched write of kept rows counts in the busy time of the step that needs it)
-        if getattr(self, "deferred", None) is not None:
-            drafts = bool(plan.draft_rows and plan.num_decode)  # the step has a draft pass (StepInputs)
-            keep = self.deferred.keep if self.deferred.before_step(plan.handles.tolist(), drafts) else None
-        accepted, sampled = run_step(self.models, StepInputs.from_plan(plan, st, self.device), all_greedy, keep)
+        if self.deferred is not None and self.deferred.before_step(plan.handles.tolist(), x.draft is not None):
+            keep = self.deferred.keep
+        accepted, sampled = run_step(self.models, x, all_greedy, keep)
         r = len(plan)
         rest = torch.zeros(r - (0 if accepted is None else accepted.shape[0]), dtype=torch.int64, device=self.device)
         out = torch.cat([rest, sampled] if accepted is None else [accepted, rest, sampled])
