@@ -58,7 +58,7 @@ def _phase_graph(dg, bs: int, phase: str):
     """A callable that runs one phase of the decode step (captured when on a GPU)."""
 
     def run():
-        x = dg._inputs(bs)
+        x = dg._inputs(bs, 0)
         if phase == "draft":
             step.draft_pass(dg.models, x)
         else:
@@ -124,7 +124,7 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
         if dg is not None:
             bs = dg.bucket(c)
             if dg.device.type == "cuda" and not dg.enforce_eager:
-                step_fn = dg.graphs[(bs, True)].replay
+                step_fn = dg.graphs[(bs, 0, True)].replay
             else:
                 def step_fn():
                     dg.step(bs, True)

@@ -50,6 +50,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
+    return value
+
+
 def add_batch_invariant_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                         help="exact CPU GEMMs: a row's bits never depend on its batch, so spec-on "
@@ -121,6 +131,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="GPU: run decode steps without CUDA graphs (same tokens, slower)")
+    parser.add_argument("--max-mixed-graph-tokens", type=_non_negative_int, default=None,
+                        help="GPU: the most prefill tokens a step beside decode rows may carry and "
+                             "still replay a CUDA graph (captured on first use; default 512; 0: "
+                             "such steps run eagerly)")
     add_batch_invariant_arg(parser)
     add_cpu_weights_arg(parser)
     add_tensor_parallel_arg(parser)
@@ -137,8 +151,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                  "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
-                 "enforce_eager", "batch_invariant", "overlap", "cpu_weights", "tensor_parallel_size",
-                 "mamba_ssm_cache_dtype", "distributed_executor_backend")
+                 "enforce_eager", "max_mixed_graph_tokens", "batch_invariant", "overlap", "cpu_weights",
+                 "tensor_parallel_size", "mamba_ssm_cache_dtype", "distributed_executor_backend")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -181,6 +181,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     enforce_eager: bool = False  # GPU: no CUDA graphs (same shapes and tokens, slower)
+    # GPU: the most prefill tokens a step that also carries decode rows may hold and still replay
+    # a CUDA graph (bucketed; captured on first use). 0: such mixed steps run eagerly.
+    max_mixed_graph_tokens: int = 512
     served_model_name: str | None = None
     # Share the KV (target and draft) of cached prompt prefixes, as vLLM's --enable-prefix-caching.
     enable_prefix_caching: bool = True
@@ -218,6 +221,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.max_mixed_graph_tokens
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"max_mixed_graph_tokens must be a non-negative integer, got {v!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

@@ -1,5 +1,6 @@
-"""The pure-decode step on the GPU: `step.run_step` over static padded buffers, one CUDA
-graph per batch-size bucket, replayed.
+"""The GPU step: `step.run_step` over static padded buffers, one CUDA graph per shape
+bucket, replayed. Pure-decode steps (bucket: decoding requests) and mixed steps (a new
+request's prefill chunk beside decode rows; bucket: decoding requests x prefill tokens).
 
 A decode step has B rows per request (B = 1 with speculation off, or a step that verifies
 no drafts), so its shape is fixed by the number of requests. Requests are padded up to the
@@ -16,6 +17,17 @@ slot -1 (target and draft rows): attention gives them nothing, the KV store skip
 their rows' garbage never reaches a real row (every op here is row-wise or per request).
 Eager mode (`enforce_eager`, and the CPU interpreter tests) runs the same function on the
 same padded shapes, so graphs and eager give the same tokens.
+
+Mixed steps (`mixed_tokens` > 0). Rows: the decoding requests' blocks, the prefill chunks,
+then padding up to `bs*B + P` (P: the prefill tokens' bucket, `mixed_buckets`). Requests:
+the real ones in plan order, then padding ones (q_len 0) up to `bs + MIXED_REQUESTS`. Sample
+slots (the rows whose logits are taken, staged per step): `bs*B` block rows, decoding slot i's
+block at rows i*B.. for a real request and at distinct padding rows for a padding one (so
+its drafts land in padding rows), then one slot per prefill request (its chunk's last row;
+a chunk that ends before its prompt does samples a row nobody reads). The draft pass and the
+acceptance read the first bs*B sample slots as the decode step does. A step with more
+prefill requests or tokens than that, no decoding request, or a hybrid target runs
+eagerly. Mixed graphs are captured on first use (a step's shape meets its graph once).
 
 A hybrid target's step also stages its state slots (`state_read` per request, `state_write`
 per row; padding: -1, nothing read or kept) and marks the step all-per-token
@@ -50,6 +62,25 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(out))
 
 
+def mixed_buckets(max_tokens: int) -> list[int]:
+    """Prefill-token buckets of the mixed graphs: 16, 32, 64, then 1.5x and 2x powers of two
+    (96, 128, 192, 256, 384, 512, ...) up to and including `max_tokens` (0: none)."""
+    if max_tokens <= 0:
+        return []
+    out, b = [], 16
+    while b < max_tokens:
+        out.append(b)
+        if b >= 64:
+            out.append(b * 3 // 2)
+        b *= 2
+    out.append(max_tokens)
+    return sorted({x for x in out if x <= max_tokens})
+
+
+# Prefill requests a mixed graph holds besides its decoding requests (more: the step runs eagerly).
+MIXED_REQUESTS = 4
+
+
 def bucket_of(buckets: list[int], num_reqs: int) -> int:
     """The smallest bucket that holds `num_reqs` decoding requests."""
     for bs in buckets:
@@ -66,9 +97,11 @@ class GraphRunner:
 
     def __init__(self, models: StepModels, timer: StepTimer, *, block_rows: int, draft_rows: int,
                  max_num_seqs: int, page_table_width: int, enforce_eager: bool, capture_buckets: list[int],
-                 device: torch.device, hybrid: bool = False, collectives: bool = False):
+                 device: torch.device, hybrid: bool = False, collectives: bool = False, mixed_tokens: int = 0):
         """draft_rows: D of this B's draft pass (0: none); capture_buckets: those captured at
         startup (others on first use); hybrid: the target keeps recurrent state in slots;
+        mixed_tokens: the most prefill tokens a mixed step's graph carries (0: mixed steps
+        run eagerly; so for hybrid targets, whose prefill chunks read their state differently);
         collectives: the step all-reduces across tensor-parallel ranks (NCCL kernels inside
         the graphs; captured in thread-local mode so that the process group's watchdog
         thread, which polls its events, does not invalidate the capture)."""
@@ -80,9 +113,17 @@ class GraphRunner:
         self.max_bs = self.buckets[-1]
         on_gpu = device.type == "cuda"
         self.enforce_eager = enforce_eager or not on_gpu  # (CPU: the interpreter test mode)
-        n, nd, bs = self.max_bs * self.b, self.max_bs * self.d, self.max_bs
-        self.fields = [("input_ids", n), ("positions", n), ("slots", n), ("qsl", bs + 1), ("seq_lens", bs),
-                       ("pages", bs * self.width), ("top_k", n), ("seed", n), ("greedy", n),
+        self.token_buckets = [] if hybrid else mixed_buckets(mixed_tokens)
+        self.mixed_tokens = self.token_buckets[-1] if self.token_buckets else 0
+        pr = MIXED_REQUESTS if self.mixed_tokens else 0
+        bs = self.max_bs
+        nd = bs * self.d
+        n = bs * self.b + self.mixed_tokens  # target rows
+        nr, ns = bs + pr, bs * self.b + pr  # requests, sample slots
+        self.max_sample = ns
+        self.fields = [("input_ids", n), ("positions", n), ("slots", n), ("qsl", nr + 1), ("seq_lens", nr),
+                       ("pages", nr * self.width), ("top_k", ns), ("seed", ns), ("greedy", ns),
+                       ("srows", ns if pr else 0), ("vrows", bs * (self.b - 1) if pr else 0),
                        ("d_ids", nd), ("d_positions", nd), ("d_slots", nd), ("d_seq_lens", bs if self.d else 0),
                        ("s_read", bs if hybrid else 0), ("s_write", n if hybrid else 0)]
         self.offsets, at = {}, 0
@@ -90,22 +131,23 @@ class GraphRunner:
             self.offsets[name] = (at, size)
             at += size
         self.host_i64 = torch.zeros(at, dtype=torch.int64, pin_memory=on_gpu)
-        self.host_f32 = torch.zeros(3 * n, dtype=torch.float32, pin_memory=on_gpu)
+        self.host_f32 = torch.zeros(3 * ns, dtype=torch.float32, pin_memory=on_gpu)
         self.dev_i64 = torch.zeros(at, dtype=torch.int64, device=device)
-        self.dev_f32 = torch.zeros(3 * n, dtype=torch.float32, device=device)
+        self.dev_f32 = torch.zeros(3 * ns, dtype=torch.float32, device=device)
         # Typed static inputs, filled from the packed buffers inside the step.
-        self.qsl = torch.zeros(bs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(bs, dtype=torch.int32, device=device)
-        self.pages = torch.zeros(bs, self.width, dtype=torch.int32, device=device)
+        self.qsl = torch.zeros(nr + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(nr, dtype=torch.int32, device=device)
+        self.pages = torch.zeros(nr, self.width, dtype=torch.int32, device=device)
         self.d_seq_lens = torch.zeros(bs, dtype=torch.int32, device=device)
         # The draft blocks' offsets and rows are fixed by the shape: i*D, and rows 1..B-1.
         steps = torch.arange(bs + 1, device=device)
         self.d_qsl = (steps * self.d).to(torch.int32)
         self.proposal_rows = (steps[:bs, None] * self.d + torch.arange(1, self.b, device=device)).reshape(-1)
         self.verify_rows = (steps[:bs, None] * self.b + torch.arange(1, self.b, device=device)).reshape(-1)
-        self.out = torch.zeros(n + bs, dtype=torch.int64, device=device)
-        self.host_out = torch.zeros(n + bs, dtype=torch.int64, pin_memory=on_gpu)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.out = torch.zeros(ns + bs, dtype=torch.int64, device=device)
+        self.host_out = torch.zeros(ns + bs, dtype=torch.int64, pin_memory=on_gpu)
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bs, P (0: decode), all greedy)
+        self.steps = {"decode": 0, "mixed": 0}  # steps this runner ran, by kind
         self.pool = None  # a graph memory pool, shared by every runner of the model runner
         self._warmup_stream = None
         self.capture_seconds = 0.0
@@ -115,14 +157,42 @@ class GraphRunner:
     def bucket(self, num_reqs: int) -> int:
         return bucket_of(self.buckets, num_reqs)
 
+    def mixed_bucket(self, plan) -> int | None:
+        """P, the prefill-token bucket of a mixed plan this runner can replay, or None (the
+        step runs eagerly): at least one decoding request (leading the plan, B rows each), at
+        most MIXED_REQUESTS prefill requests of at most `mixed_tokens` rows in all, and each
+        prefill request sampling nothing or its chunk's last row."""
+        rd, r = plan.num_decode, len(plan)
+        if not self.mixed_tokens or rd == 0 or r - rd > MIXED_REQUESTS or plan.block_rows != self.b:
+            return None
+        qsl = plan.query_start_loc
+        prefill = int(qsl[r]) - rd * self.b
+        if prefill > self.mixed_tokens or int(qsl[rd]) != rd * self.b:
+            return None
+        ss = plan.sample_start
+        counts = np.diff(ss[rd:])
+        if (counts > 1).any() or int(ss[rd]) != rd * self.b:
+            return None
+        sampled = counts == 1
+        if not np.array_equal(plan.sample_rows[ss[rd:-1][sampled]], qsl[rd + 1:][sampled] - 1):
+            return None
+        return next(p for p in self.token_buckets if p >= prefill)
+
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         at, size = self.offsets[name]
         return buf[at:at + size]
 
-    def _stage(self, plan, st: dict[str, np.ndarray], bs: int) -> None:
-        """Pack the plan (padded to `bs` requests) into the pinned buffers."""
-        r, n = len(plan), bs * self.b
-        rows, drows, dn = r * self.b, r * self.d, bs * self.d
+    def _shape(self, bs: int, p: int) -> tuple[int, int, int]:
+        """(target rows, requests, sample slots) of bucket `bs` (and P = `p`; 0: decode)."""
+        pr = MIXED_REQUESTS if p else 0
+        return bs * self.b + p, bs + pr, bs * self.b + pr
+
+    def _stage(self, plan, st: dict[str, np.ndarray], bs: int, p: int) -> np.ndarray | None:
+        """Pack the plan (padded to bucket `bs`, and `p` prefill tokens) into the pinned
+        buffers. -> for a mixed step, the sample slot of each of the plan's sample rows."""
+        r, rd = len(plan), plan.num_decode
+        n, nr, ns = self._shape(bs, p)
+        rows, drows, dn = int(plan.query_start_loc[r]), rd * self.d, bs * self.d
         v = {name: self._view(self.host_i64, name).numpy() for name, _ in self.fields}
 
         def put(name: str, real: np.ndarray, used: int, total: int, pad: int) -> None:
@@ -132,72 +202,99 @@ class GraphRunner:
         put("input_ids", plan.input_ids, rows, n, 0)
         put("positions", plan.positions, rows, n, 0)
         put("slots", plan.slot_mapping, rows, n, -1)
-        put("qsl", plan.query_start_loc, r + 1, bs + 1, rows)
-        put("seq_lens", plan.seq_lens, r, bs, 0)
-        pages = v["pages"][:bs * self.width].reshape(bs, self.width)
+        put("qsl", plan.query_start_loc, r + 1, nr + 1, rows)
+        put("seq_lens", plan.seq_lens, r, nr, 0)
+        pages = v["pages"][:nr * self.width].reshape(nr, self.width)
         pages[:] = 0
         pages[:r, :plan.page_tables.shape[1]] = plan.page_tables
-        put("top_k", st["top_k"], rows, n, 1)
-        put("seed", st["seed"], rows, n, 0)
-        put("greedy", st["greedy"], rows, n, 1)
+        slot_of = None
+        if p:
+            # Decoding slot i's block: rows i*B.. (real) or distinct padding rows from `rows` on.
+            blocks = np.arange(bs * self.b, dtype=np.int64).reshape(bs, self.b)
+            blocks[rd:] += rows - rd * self.b
+            srows = v["srows"]
+            srows[:bs * self.b] = blocks.reshape(-1)
+            srows[bs * self.b:ns] = 0  # prefill slots without a request: any row
+            srows[bs * self.b:bs * self.b + r - rd] = plan.query_start_loc[rd + 1:] - 1
+            v["vrows"][:bs * (self.b - 1)] = blocks[:, 1:].reshape(-1)
+            ss = plan.sample_start
+            slot_of = np.concatenate([np.arange(rd * self.b, dtype=np.int64),
+                                      bs * self.b + np.flatnonzero(np.diff(ss[rd:]))])
+        for name, pad in (("top_k", 1), ("seed", 0), ("greedy", 1)):
+            if slot_of is None:
+                put(name, st[name], len(st[name]), ns, pad)
+            else:
+                v[name][:ns] = pad
+                v[name][slot_of] = st[name]
         if self.d:
             put("d_ids", plan.draft_input_ids, drows, dn, 0)
             put("d_positions", plan.draft_positions, drows, dn, 0)
             put("d_slots", plan.draft_slot_mapping, drows, dn, -1)
-            put("d_seq_lens", plan.draft_seq_lens, r, bs, 0)
+            put("d_seq_lens", plan.draft_seq_lens, rd, bs, 0)
         if self.hybrid:
             put("s_read", plan.state_read, r, bs, -1)
             put("s_write", plan.state_write, rows, n, -1)
         f = self.host_f32.numpy()
-        big = self.max_bs * self.b
+        big = self.max_sample
         for i, name in enumerate(_FLOAT_FIELDS):
-            f[i * big:i * big + rows] = st[name]
-            f[i * big + rows:i * big + n] = 1.0
+            col = f[i * big:i * big + ns]
+            col[:] = 1.0
+            if slot_of is None:
+                col[:len(st[name])] = st[name]
+            else:
+                col[slot_of] = st[name]
+        return slot_of
 
     # ---- the step (device side; captured) --------------------------------------------------
-    def _inputs(self, bs: int) -> StepInputs:
-        """Unpack the staged buffers into `run_step`'s inputs for `bs` requests."""
-        n, nd = bs * self.b, bs * self.d
+    def _inputs(self, bs: int, p: int) -> StepInputs:
+        """Unpack the staged buffers into `run_step`'s inputs for bucket `bs` (and `p`)."""
+        n, nr, ns = self._shape(bs, p)
+        nd = bs * self.d
         i64 = {name: self._view(self.dev_i64, name) for name, _ in self.fields}
-        self.qsl[:bs + 1].copy_(i64["qsl"][:bs + 1])
-        self.seq_lens[:bs].copy_(i64["seq_lens"][:bs])
-        self.pages[:bs].copy_(i64["pages"][:bs * self.width].view(bs, self.width))
-        big = self.max_bs * self.b
-        f = {name: self.dev_f32[i * big:i * big + n] for i, name in enumerate(_FLOAT_FIELDS)}
+        self.qsl[:nr + 1].copy_(i64["qsl"][:nr + 1])
+        self.seq_lens[:nr].copy_(i64["seq_lens"][:nr])
+        self.pages[:nr].copy_(i64["pages"][:nr * self.width].view(nr, self.width))
+        big = self.max_sample
+        f = {name: self.dev_f32[i * big:i * big + ns] for i, name in enumerate(_FLOAT_FIELDS)}
         positions = i64["positions"][:n]
-        sampling = SamplingTensors(greedy=i64["greedy"][:n].bool(), temperature=f["temperature"],
-                                   top_k=i64["top_k"][:n], top_p=f["top_p"], min_p=f["min_p"],
-                                   seed=i64["seed"][:n], position=positions + 1)
-        meta = AttentionMetadata(slot_mapping=i64["slots"][:n], query_start_loc=self.qsl[:bs + 1],
-                                 seq_lens=self.seq_lens[:bs], page_tables=self.pages[:bs], causal=True,
-                                 max_query_len=self.b)
+        sample_rows = i64["srows"][:ns] if p else None
+        sample_positions = positions if sample_rows is None else positions.index_select(0, sample_rows)
+        sampling = SamplingTensors(greedy=i64["greedy"][:ns].bool(), temperature=f["temperature"],
+                                   top_k=i64["top_k"][:ns], top_p=f["top_p"], min_p=f["min_p"],
+                                   seed=i64["seed"][:ns], position=sample_positions + 1)
+        meta = AttentionMetadata(slot_mapping=i64["slots"][:n], query_start_loc=self.qsl[:nr + 1],
+                                 seq_lens=self.seq_lens[:nr], page_tables=self.pages[:nr], causal=True,
+                                 max_query_len=max(self.b, p))
         draft = None
         if self.d:
             self.d_seq_lens[:bs].copy_(i64["d_seq_lens"][:bs])
+            # (the draft's page tables: the first bs requests'; a padding slot's reads nothing, seq_len 0)
             draft = DraftInputs(
                 input_ids=i64["d_ids"][:nd], positions=i64["d_positions"][:nd],
                 meta=AttentionMetadata(slot_mapping=i64["d_slots"][:nd], query_start_loc=self.d_qsl[:bs + 1],
                                        seq_lens=self.d_seq_lens[:bs], page_tables=self.pages[:bs], causal=False,
                                        max_query_len=self.d),
                 proposal_rows=self.proposal_rows[:bs * (self.b - 1)],
-                verify_rows=self.verify_rows[:bs * (self.b - 1)])
+                verify_rows=i64["vrows"][:bs * (self.b - 1)] if p else self.verify_rows[:bs * (self.b - 1)])
         state_meta = None
         if self.hybrid:
             state_meta = StateMetadata(read=i64["s_read"][:bs], write=i64["s_write"][:n], all_per_token=True)
-        return StepInputs(input_ids=i64["input_ids"][:n], positions=positions, meta=meta, sample_rows=None,
+        return StepInputs(input_ids=i64["input_ids"][:n], positions=positions, meta=meta, sample_rows=sample_rows,
                           sampling=sampling, num_decode=bs, block_rows=self.b, draft=draft, state_meta=state_meta)
 
-    def step(self, bs: int, all_greedy: bool) -> None:
-        """`run_step` on the staged inputs of `bs` requests, results into `out`."""
-        n = bs * self.b
-        accepted, sampled = run_step(self.models, self._inputs(bs), all_greedy)
-        self.out[:n].copy_(sampled)
+    def step(self, bs: int, all_greedy: bool, p: int = 0) -> None:
+        """`run_step` on the staged inputs of bucket `bs` (and P = `p`), results into `out`:
+        the sampled token of each sample slot, then the accepted drafts of each decoding slot."""
+        ns = self._shape(bs, p)[2]
+        accepted, sampled = run_step(self.models, self._inputs(bs, p), all_greedy)
+        self.out[:ns].copy_(sampled)
         if accepted is not None:
-            self.out[n:n + bs].copy_(accepted)
+            self.out[ns:ns + bs].copy_(accepted)
 
     # ---- capture and replay ----------------------------------------------------------------
     def capture(self, modes: tuple[bool, ...] = (True,)) -> None:
-        """Capture the step for every startup bucket (largest first, sharing one memory pool)."""
+        """Capture the decode step for every startup bucket (largest first, sharing one memory
+        pool). Mixed steps are captured on first use."""
         if self.enforce_eager:
             return
         self.reset_inputs()
@@ -206,7 +303,7 @@ class GraphRunner:
         t0 = time.perf_counter()
         for all_greedy in modes:
             for bs in reversed(self.capture_buckets):
-                self._capture_one(bs, all_greedy)
+                self._capture_one(bs, 0, all_greedy)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
         torch.cuda.empty_cache()  # the warm-ups' cached blocks: not graph memory; the pool stays
@@ -226,7 +323,7 @@ class GraphRunner:
         self.dev_f32.copy_(self.host_f32)
 
     @torch.inference_mode()
-    def _capture_one(self, bs: int, all_greedy: bool) -> None:
+    def _capture_one(self, bs: int, p: int, all_greedy: bool) -> None:
         # One warm-up stream for every capture: each new stream would get its own cuBLAS
         # workspace and its own cached blocks.
         if self._warmup_stream is None:
@@ -235,44 +332,51 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                self.step(bs, all_greedy)
+                self.step(bs, all_greedy, p)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local" if self.collectives else "global"):
-            self.step(bs, all_greedy)
+            self.step(bs, all_greedy, p)
         if self.pool is None:
             self.pool = g.pool()
-        self.graphs[(bs, all_greedy)] = g
+        self.graphs[(bs, p, all_greedy)] = g
 
     @torch.inference_mode()
-    def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
-        """Launch a pure-decode plan; the InFlight's `wait` gives (accepted per request,
-        sampled per row). The caller waits before the next `run` (which restages the
-        pinned buffers and reuses `host_out`)."""
-        r = len(plan)
-        bs = self.bucket(r)
-        n = bs * self.b
-        key = (bs, all_greedy)
+    def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool, p: int = 0) -> InFlight:
+        """Launch a pure-decode plan (`p` = 0) or a mixed one (`p`: its `mixed_bucket`); the
+        InFlight's `wait` gives (accepted per plan entry, sampled per plan sample row). The
+        caller waits before the next `run` (which restages the pinned buffers and reuses
+        `host_out`)."""
+        r, rd = len(plan), plan.num_decode
+        bs = self.bucket(rd)
+        ns = self._shape(bs, p)[2]
+        key = (bs, p, all_greedy)
         if not self.enforce_eager and key not in self.graphs:
-            # First sampled step at this size: capture now (greedy graphs exist from startup).
+            # First step of this shape (greedy decode graphs exist from startup): capture now.
+            t0 = time.perf_counter()
             self.reset_inputs()
-            self._capture_one(bs, all_greedy)
-        self._stage(plan, st, bs)
-        self.timer.begin((bs, self.b - 1))  # the step's first launch follows: the two input copies
+            self._capture_one(bs, p, all_greedy)
+            logger.debug("captured the step graph %s (B = %d) in %.2f s", key, self.b, time.perf_counter() - t0)
+        slot_of = self._stage(plan, st, bs, p)
+        self.steps["mixed" if p else "decode"] += 1
+        # the step's first launch follows (the two input copies); a mixed step's time is not a cell's
+        self.timer.begin(None if p else (bs, self.b - 1))
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_f32.copy_(self.host_f32, non_blocking=True)
         if self.enforce_eager:
-            self.step(bs, all_greedy)
+            self.step(bs, all_greedy, p)
         else:
             self.graphs[key].replay()
-        self.host_out[:n + bs].copy_(self.out[:n + bs], non_blocking=True)
+        self.host_out[:ns + bs].copy_(self.out[:ns + bs], non_blocking=True)
         self.timer.end()  # after the last launch (the copy back), before the wait for it
         spec = self.d > 0
 
         def unpack() -> tuple[np.ndarray, np.ndarray]:
             out = self.host_out.numpy()
-            sampled = out[:r * self.b].copy()
-            accepted = out[n:n + r].copy() if spec else np.zeros(r, np.int64)
+            accepted = np.zeros(r, np.int64)
+            if spec:
+                accepted[:rd] = out[ns:ns + rd]
+            sampled = out[:r * self.b].copy() if slot_of is None else out[slot_of]
             return accepted, sampled
 
         return InFlight(unpack, self.device)

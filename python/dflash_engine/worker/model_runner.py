@@ -3,8 +3,9 @@
 Setup reads in order: load (target, draft, the CPU backend's packed weights) -> size the
 KV pool (a profile step of the largest plan on CUDA) -> allocate -> warm up and capture the
 decode graphs (they bake in the pool's addresses). Each engine step then `launch`es the
-step's device work (a captured graph for a pure-decode plan, else the eager step; both run
-`step.run_step`) and `wait`s for its results: (accepted drafts per plan entry, sampled token
+step's device work (a captured graph for a pure-decode plan or a mixed one that fits the
+mixed graphs' buckets, else the eager step; all run `step.run_step`) and `wait`s for its
+results: (accepted drafts per plan entry, sampled token
 per sample row). The step crosses to the core once each way: the plan in, results out.
 
 A hybrid target (Qwen3.5: GDN + attention layers) keeps its recurrent state in slots that are
@@ -86,9 +87,12 @@ class ModelRunner:
         self.step_timer = StepTimer(rc.device)
         self._buckets = batch_buckets(rc.max_num_seqs)
         self.bytes_per_page = KVCache.bytes_per_page(self.target_config, self.draft_config, rc.page_size, rc.dtype)
-        # The GPU's pure-decode step: fixed shapes per batch bucket, one CUDA graph each, one
-        # runner per verify block B (several with a draft-length schedule).
+        # The GPU's graph step: fixed shapes per batch bucket (and prefill-token bucket for mixed
+        # steps), one CUDA graph each, one runner per verify block B (several with a draft-length
+        # schedule or the adaptive policy). Mixed graphs: single-process dense targets.
         self.graphs: dict[int, GraphRunner] = {}
+        self.eager_steps = 0
+        mixed_tokens = 0 if tp is not None else min(rc.max_mixed_graph_tokens, rc.max_num_batched_tokens)
         if use_kernels(target.model.embed_tokens.weight):
             width = _core.pages_per_seq(rc.max_model_len, rc.reserve_rows, rc.page_size)
             for k in rc.draft_lengths:  # the longest block first: it sizes the shared graph pool
@@ -96,7 +100,7 @@ class ModelRunner:
                     self.models, self.step_timer, block_rows=k + 1, draft_rows=rc.draft_rows_for(k + 1),
                     max_num_seqs=rc.max_num_seqs, page_table_width=width, enforce_eager=rc.enforce_eager,
                     capture_buckets=self._buckets_for(k), device=rc.device, hybrid=rc.hybrid,
-                    collectives=tp is not None)
+                    collectives=tp is not None, mixed_tokens=mixed_tokens)
         capturing = any(not g.enforce_eager for g in self.graphs.values())
         self.memory: MemoryReport = size_kv_pool(rc, self.bytes_per_page, self.profile, capturing,
                                                  self.state_layout.bytes_per_slot if self.state_layout else 0)
@@ -187,6 +191,9 @@ class ModelRunner:
                 g = self.graphs[rc.block_rows]
                 g.reset_inputs()  # every request a padding request: q_len 0, slots -1, null pages
                 decode = peak_bytes(self.device, lambda: g.step(g.max_bs, all_greedy=False))
+                if g.mixed_tokens:  # the graphs' pool also holds the largest mixed step
+                    mixed = peak_bytes(self.device, lambda: g.step(g.max_bs, False, g.mixed_tokens))
+                    decode = None if decode is None else max(decode, mixed or 0)
         finally:
             self.models.kv = real_kv  # None until the pool exists
         return step, decode
@@ -217,11 +224,25 @@ class ModelRunner:
         return self._launch_here(plan, st, all_greedy)
 
     def _launch_here(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
-        """This rank's launch: a pure-decode step replays its batch bucket's graph, any other
-        runs eagerly. The choice reads the plan alone: under TP every rank makes the same one."""
+        """This rank's launch: a pure-decode step replays its batch bucket's graph, a mixed one
+        its (batch, prefill tokens) bucket's graph where it fits one (GraphRunner.mixed_bucket),
+        any other runs eagerly. The choice reads the plan alone: under TP every rank makes the
+        same one."""
         if self.graphs and plan.num_decode == len(plan):
             return self.graphs[plan.block_rows].run(plan, st, all_greedy)
+        g = self.graphs.get(plan.block_rows)
+        p = g.mixed_bucket(plan) if g is not None else None
+        if p:
+            return g.run(plan, st, all_greedy, p)
+        self.eager_steps += 1
         return self._launch_eager(plan, st, all_greedy)
+
+    def steps_by_path(self) -> dict[str, int]:
+        """Steps launched so far: "decode_graph", "mixed_graph" (a graph runner's steps; eager
+        replays of the same padded shapes with enforce_eager) and "eager" (the plan's own shapes)."""
+        return {"decode_graph": sum(g.steps["decode"] for g in self.graphs.values()),
+                "mixed_graph": sum(g.steps["mixed"] for g in self.graphs.values()),
+                "eager": self.eager_steps}
 
     def wait(self, flight: InFlight) -> tuple[np.ndarray, np.ndarray]:
         """(accepted drafts per plan entry, sampled token per plan sample row)."""

@@ -120,10 +120,10 @@ def measure(runner, ks: list[int]) -> StepCosts:
 
 @torch.inference_mode()
 def _time_graph(g, bs: int) -> float:
-    key = (bs, True)
+    key = (bs, 0, True)
     if key not in g.graphs:
         g.reset_inputs()
-        g._capture_one(bs, True)
+        g._capture_one(bs, 0, True)
     g.reset_inputs()
     graph = g.graphs[key]
     graph.replay()

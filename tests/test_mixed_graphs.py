@@ -1,0 +1,161 @@
+"""Mixed steps (a prefill chunk beside decode rows) through the graph runner's padded shapes
+(worker/graph_runner.py): which plans fit a mixed graph, how one is staged, and an engine
+whose mixed steps replay those shapes producing what eager mixed steps and the reference
+path produce. On CPU the kernels run under Triton's interpreter, the runner in eager mode
+over the same padded buffers a CUDA graph captures."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.worker.graph_runner import MIXED_REQUESTS, GraphRunner, mixed_buckets
+
+
+def test_mixed_buckets():
+    assert mixed_buckets(0) == []
+    assert mixed_buckets(16) == [16]
+    assert mixed_buckets(100) == [16, 32, 64, 96, 100]
+    assert mixed_buckets(512) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+
+
+def runner(b: int = 3, d: int = 4, mixed_tokens: int = 64) -> GraphRunner:
+    return GraphRunner(None, None, block_rows=b, draft_rows=d, max_num_seqs=8, page_table_width=5,
+                       enforce_eager=True, capture_buckets=[], device=torch.device("cpu"), mixed_tokens=mixed_tokens)
+
+
+class Plan(SimpleNamespace):
+    def __len__(self) -> int:
+        return self.r
+
+
+def make(b: int, decode_positions: list[int], chunks: list[tuple[int, int, bool]], d: int = 4) -> Plan:
+    """A plan as the core lays it out: decoding requests (B rows each at their positions), then
+    prefill chunks (start position, length, whether the chunk ends its prompt and samples)."""
+    rd = len(decode_positions)
+    q_lens = [b] * rd + [n for _, n, _ in chunks]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    positions = np.concatenate([np.arange(p, p + b) for p in decode_positions]
+                               + [np.arange(s, s + n) for s, n, _ in chunks]).astype(np.int64)
+    seq_lens = np.array([p + b for p in decode_positions] + [s + n for s, n, _ in chunks], np.int32)
+    sample_rows, sample_start = [], [0]
+    for i in range(rd):
+        sample_rows += list(range(i * b, i * b + b))
+        sample_start.append(len(sample_rows))
+    for j, (_, _, samples) in enumerate(chunks):
+        if samples:
+            sample_rows.append(int(qsl[rd + j + 1]) - 1)
+        sample_start.append(len(sample_rows))
+    rows = int(qsl[-1])
+    r = rd + len(chunks)
+    return Plan(
+        num_decode=rd, block_rows=b, num_rows=rows, query_start_loc=qsl, seq_lens=seq_lens, positions=positions,
+        input_ids=np.arange(100, 100 + rows, dtype=np.int64), slot_mapping=np.arange(rows, dtype=np.int64) + 1000,
+        page_tables=np.arange(1, 1 + 2 * r, dtype=np.int32).reshape(r, 2),
+        sample_rows=np.array(sample_rows, np.int64), sample_start=np.array(sample_start, np.int64),
+        draft_input_ids=np.full(rd * d, 7, np.int64), draft_positions=np.zeros(rd * d, np.int64),
+        draft_slot_mapping=np.zeros(rd * d, np.int64), draft_seq_lens=np.array(decode_positions, np.int32) + 1,
+        r=r)
+
+
+def test_which_mixed_plans_fit_a_graph():
+    g = runner()
+    assert g.mixed_bucket(make(3, [10, 20], [(0, 5, True)])) == 16
+    assert g.mixed_bucket(make(3, [10], [(0, 17, True), (32, 8, False)])) == 32
+    assert g.mixed_bucket(make(3, [10], [(0, 64, False)])) == 64
+    assert g.mixed_bucket(make(3, [10], [(0, 65, True)])) is None, "more prefill tokens than the largest bucket"
+    assert g.mixed_bucket(make(3, [], [(0, 5, True)])) is None, "no decoding request: eager"
+    assert g.mixed_bucket(make(3, [10], [(0, 2, True)] * (MIXED_REQUESTS + 1))) is None
+    assert g.mixed_bucket(make(4, [10], [(0, 5, True)])) is None, "another runner's B"
+    odd = make(3, [10], [(0, 5, True)])
+    odd.sample_rows = odd.sample_rows.copy()
+    odd.sample_rows[-1] -= 1  # a prefill request sampling a row other than its chunk's last
+    assert g.mixed_bucket(odd) is None
+    assert runner(mixed_tokens=0).mixed_bucket(make(3, [10], [(0, 5, True)])) is None, "mixed graphs off"
+
+
+def test_a_mixed_plan_is_staged_with_padding_blocks_apart_from_real_rows():
+    b, d = 3, 4
+    g = runner(b, d)
+    p = make(b, [10, 20, 30], [(0, 5, True), (40, 6, False)])  # 3 decoding requests: bucket 4
+    bs, pb = g.bucket(3), g.mixed_bucket(p)
+    assert (bs, pb) == (4, 16)
+    n_samples = len(p.sample_rows)
+    st = {"top_k": np.arange(n_samples) + 2, "seed": np.arange(n_samples) + 50, "greedy": np.zeros(n_samples, bool),
+          "temperature": np.full(n_samples, 0.5, np.float32), "top_p": np.full(n_samples, 0.9, np.float32),
+          "min_p": np.zeros(n_samples, np.float32)}
+    slot_of = g._stage(p, st, bs, pb)
+    v = {name: g._view(g.host_i64, name).numpy() for name, _ in g.fields}
+    rows, n = p.num_rows, bs * b + pb  # 9 + 11 real rows; 12 + 16 in the graph
+    assert (v["input_ids"][:rows] == p.input_ids).all() and (v["slots"][rows:n] == -1).all()
+    nr = bs + MIXED_REQUESTS
+    assert list(v["qsl"][:nr + 1]) == list(p.query_start_loc) + [rows] * (nr - len(p))
+    srows = v["srows"][:bs * b + MIXED_REQUESTS]
+    # decoding slots 0-2: their own blocks; slot 3 (padding): three padding rows past the real ones
+    assert list(srows[:9]) == list(range(9)) and list(srows[9:12]) == [rows, rows + 1, rows + 2]
+    assert list(srows[12:14]) == [13, 19], "each prefill request's chunk's last row"
+    assert set(v["vrows"][:bs * (b - 1)]) == {1, 2, 4, 5, 7, 8, rows + 1, rows + 2}
+    assert list(slot_of) == list(range(9)) + [12], "the prefill request that samples: slot bs*B + 0"
+    assert list(v["seed"][slot_of]) == list(st["seed"]) and v["top_k"][13] == 1 and v["greedy"][13] == 1
+    ns = g.max_sample
+    assert g.host_f32.numpy()[slot_of] == pytest.approx(0.5) and g.host_f32.numpy()[ns + 12] == pytest.approx(0.9)
+    assert list(v["d_seq_lens"][:bs]) == [11, 21, 31, 0]
+
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter mode is for machines without a GPU")
+
+
+def arrivals(n: int, seed: int = 9, most: int = 8) -> tuple[list[dict], list[SamplingParams]]:
+    """Prompts of 3..36 tokens with 2..`most` new tokens each: with 2-3 seats, requests finish at
+    different steps and the next one's prefill (chunked past the step budget) joins decode rows."""
+    rng = np.random.default_rng(seed)
+    ps = [{"prompt_token_ids": rng.integers(3, 250, size=int(rng.integers(3, 36))).tolist()} for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(2, most + 1)), ignore_eos=True) for _ in range(n)]
+    return ps, params
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@CPU_ONLY
+def test_mixed_steps_through_the_graph_shapes_equal_the_reference(qwen3_dir, random_draft_dir, monkeypatch):
+    """Spec on (K = 3, fixed), 4 seats (buckets 1, 2, 4: three decoding requests pad to 4),
+    6 requests arriving as seats free, a 24-token step budget (prompts over it are chunked):
+    the mixed steps replay the runner's padded shapes and give the tokens the reference path
+    gives (its mixed steps eager, in the plan's own shapes). Drafts are accepted by a seeded RNG (the random draft's own would all be rejected), so accepted runs
+    of every length pass through the mixed steps' acceptance. Every other request samples
+    (temperature, top-k, top-p; keyed by seed and position, so any path gives its tokens)."""
+    ps, params = arrivals(6, most=12)
+    params = [p if i % 2 else SamplingParams(temperature=0.9, top_k=30, top_p=0.95, max_tokens=p.max_tokens,
+                                             ignore_eos=True, seed=i) for i, p in enumerate(params)]
+    spec = {"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed",
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.9, 0.7, 0.5]}
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+    kw = dict(model=str(qwen3_dir), device="cpu", max_num_seqs=4, max_num_batched_tokens=24, speculative_config=spec)
+    mixed = LLM(**kw)
+    got = tokens(mixed.generate(ps, params, use_tqdm=False))
+    paths = mixed.engine.runner.steps_by_path()
+    assert paths["mixed_graph"] >= 3 and paths["decode_graph"] > 0, paths
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    ref = LLM(**kw)
+    assert got == tokens(ref.generate(ps, params, use_tqdm=False))
+    assert ref.engine.runner.steps_by_path()["mixed_graph"] == 0
+
+
+def test_max_mixed_graph_tokens_is_checked_and_reaches_the_engine():
+    import argparse
+
+    from dflash_engine.cli_args import add_serve_args, engine_kwargs
+    from dflash_engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_mixed_graph_tokens"):
+        EngineConfig(speculative_config=None, max_mixed_graph_tokens=-1)
+    parser = add_serve_args(argparse.ArgumentParser())
+    assert engine_kwargs(parser.parse_args(["--max-mixed-graph-tokens", "0"]))["max_mixed_graph_tokens"] == 0
+    assert "max_mixed_graph_tokens" not in engine_kwargs(parser.parse_args([]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-mixed-graph-tokens", "-3"])
