@@ -152,6 +152,7 @@ def finish(e: dict) -> tuple[dict, list]:
                tok_s=round(sorted(rates)[len(rates) // 2], 2), tok_s_passes=[round(r, 2) for r in rates],
                tau=round(1 + accepted / drafts, 3) if drafts else None, drafts=drafts,
                steps=st.num_steps - before.num_steps, kv_pages=pages,
+               steps_by_path={p: n - before.steps_by_path.get(p, 0) for p, n in st.steps_by_path.items()},
                preemptions=st.num_preemptions - before.num_preemptions)
     return row, tokens
 
@@ -189,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="build every engine of a (set, c) first, then run pass r of each in turn (CPU A/B "
                          "under drifting machine speed; on a GPU give --num-gpu-blocks so that they all fit)")
+    ap.add_argument("--max-mixed-graph-tokens", type=int, default=None,
+                    help="the engines' max_mixed_graph_tokens (default: the engine's; 0: mixed steps eager)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     sets = {"humaneval": humaneval_prompts, "chat": lambda: list(CHAT_PROMPTS)}
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
             "device": args.device, "batch_invariant": args.batch_invariant, "max_tokens": args.max_tokens,
-            "target": args.target or "default", "draft": args.draft, "loadavg": os.getloadavg()}
+            "target": args.target or "default", "draft": args.draft, "loadavg": os.getloadavg(),
+            "max_mixed_graph_tokens": args.max_mixed_graph_tokens}
     print(json.dumps(info), flush=True)
     rows = []
     for name in [s for s in args.sets.split(",") if s]:
@@ -203,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,
                       max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                       cpu_weights=args.cpu_weights, num_gpu_blocks_override=args.num_gpu_blocks)
+            if args.max_mixed_graph_tokens is not None:
+                kw["max_mixed_graph_tokens"] = args.max_mixed_graph_tokens
             lengths = args.draft_lengths.split(",")
             if args.interleave:  # every engine built first, then pass r of each in turn: drift hits all alike
                 engines = [build(args.target, None, prompts, c, **kw)]

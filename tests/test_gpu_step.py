@@ -87,6 +87,31 @@ def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_
     assert same >= (len(ps) if dtype == "float32" else len(ps) - 2), (same, len(ps))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_mixed_step_graphs_equal_eager_mixed_steps_and_spec_off(qwen3_dir, random_draft_dir):
+    """Requests arriving as seats free (4 seats, a 24-token step budget: chunked prompts beside
+    decode rows): mixed steps replaying CUDA graphs give the tokens of eager mixed steps and,
+    in float32, of spec off; greedy and sampled requests."""
+    from test_mixed_graphs import arrivals
+
+    ps, params = arrivals(16, most=24)
+    params = [p if i % 2 else SamplingParams(temperature=0.9, top_k=30, max_tokens=p.max_tokens, ignore_eos=True,
+                                             seed=i) for i, p in enumerate(params)]
+    kw = dict(model=str(qwen3_dir), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=24,
+              num_gpu_blocks_override=256)
+    mixed = LLM(**kw, speculative_config=spec(random_draft_dir))
+    on = tokens(mixed.generate(ps, params, use_tqdm=False))
+    paths = mixed.engine.runner.steps_by_path()
+    assert paths["mixed_graph"] >= 5, paths
+    assert any(key[1] for g in mixed.engine.runner.graphs.values() for key in g.graphs), "mixed graphs captured"
+    del mixed
+    eager = LLM(**kw, speculative_config=spec(random_draft_dir), max_mixed_graph_tokens=0)
+    assert on == tokens(eager.generate(ps, params, use_tqdm=False)), "mixed graphs == eager mixed steps"
+    del eager
+    assert on == tokens(LLM(**kw).generate(ps, params, use_tqdm=False)), "spec on == spec off (float32)"
+
+
 def test_enforce_eager_reaches_the_engine_config():
     import argparse
 

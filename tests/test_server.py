@@ -159,6 +159,8 @@ def test_metrics_move(spec_on_server):
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert _get(after, f"vllm:{gauge}") == 0
     assert _get(after, "vllm:num_preemptions_total") >= 0
+    # CPU fast mode: every step eager (one per engine step timed); no graph runner
+    assert delta("dflash:steps_by_path_total", path="eager") == delta("dflash:steps_total") >= 1
 
 
 def test_api_key(fresh_server):

@@ -56,6 +56,9 @@ class EngineStats:
     step_busy_seconds: float = 0.0
     step_idle_seconds: float = 0.0
     num_steps: int = 0
+    # Steps launched, by how: "decode_graph", "mixed_graph" (the graph runner's padded shapes)
+    # and "eager" (the plan's own shapes: CPU fast mode, prefill-only and oversized mixed steps).
+    steps_by_path: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -475,6 +478,7 @@ class LLMEngine:
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             step_busy_seconds=busy, step_idle_seconds=idle, num_steps=steps,
+            steps_by_path=self.runner.steps_by_path(),
         )
 
 

@@ -94,6 +94,14 @@ class _EngineStatsCollector:
         for k, n in sorted(s.spec_draft_len_counts.items()):
             chosen.add_metric([self.model_name, str(k)], float(n))
         yield chosen
+        paths = CounterMetricFamily(
+            "dflash:steps_by_path",
+            "Engine steps launched, by path: decode_graph, mixed_graph (CUDA graphs of padded shapes) or eager.",
+            labels=["model_name", "path"],
+        )
+        for path, n in sorted(s.steps_by_path.items()):
+            paths.add_metric([self.model_name, path], float(n))
+        yield paths
 
 
 class ServerMetrics:
