@@ -79,6 +79,9 @@ def mixed_buckets(max_tokens: int) -> list[int]:
 
 # Prefill requests a mixed graph holds besides its decoding requests (more: the step runs eagerly).
 MIXED_REQUESTS = 4
+# Mixed graphs one runner captures at most (each first use stalls its step by a capture, ~0.1 s
+# for a small model); a new shape past this runs eagerly.
+MAX_MIXED_GRAPHS = 96
 
 
 def bucket_of(buckets: list[int], num_reqs: int) -> int:
@@ -148,6 +151,7 @@ class GraphRunner:
         self.host_out = torch.zeros(ns + bs, dtype=torch.int64, pin_memory=on_gpu)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bs, P (0: decode), all greedy)
         self.steps = {"decode": 0, "mixed": 0}  # steps this runner ran, by kind
+        self.mixed_graphs = 0  # captured
         self.pool = None  # a graph memory pool, shared by every runner of the model runner
         self._warmup_stream = None
         self.capture_seconds = 0.0
@@ -176,7 +180,11 @@ class GraphRunner:
         sampled = counts == 1
         if not np.array_equal(plan.sample_rows[ss[rd:-1][sampled]], qsl[rd + 1:][sampled] - 1):
             return None
-        return next(p for p in self.token_buckets if p >= prefill)
+        p = next(p for p in self.token_buckets if p >= prefill)
+        if (not self.enforce_eager and self.mixed_graphs >= MAX_MIXED_GRAPHS
+                and (self.bucket(rd), p, True) not in self.graphs and (self.bucket(rd), p, False) not in self.graphs):
+            return None  # (the exact key also needs all_greedy; a step of a captured shape may still capture once)
+        return p
 
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         at, size = self.offsets[name]
@@ -340,6 +348,7 @@ class GraphRunner:
         if self.pool is None:
             self.pool = g.pool()
         self.graphs[(bs, p, all_greedy)] = g
+        self.mixed_graphs += p > 0
 
     @torch.inference_mode()
     def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool, p: int = 0) -> InFlight:
