@@ -198,10 +198,12 @@ def test_profile_runs_the_kernel_path_and_the_decode_step(qwen3_dir, random_draf
     g = e.runner.graphs[e.runtime_config.block_rows]
     calls = []
     real_step = g.step
-    g.step = lambda bs, all_greedy: calls.append((bs, all_greedy)) or real_step(bs, all_greedy)
+    g.step = lambda bs, all_greedy, p=0: calls.append((bs, all_greedy, p)) or real_step(bs, all_greedy, p)
     before = _kv_snapshot(e.runner)
     assert e.runner.profile() == (None, None)
-    assert calls == [(3, False)]  # the largest bucket, sampled
+    # the largest bucket, sampled: the decode step, then the largest mixed step (its prefill
+    # tokens: the step budget's 24, the top mixed bucket)
+    assert calls == [(3, False, 0), (3, False, 24)]
     assert all(torch.equal(a, b) for a, b in zip(before, _kv_snapshot(e.runner)))
 
 
