@@ -146,6 +146,33 @@ def test_mixed_steps_through_the_graph_shapes_equal_the_reference(qwen3_dir, ran
     assert ref.engine.runner.steps_by_path()["mixed_graph"] == 0
 
 
+@CPU_ONLY
+def test_a_failed_mixed_capture_falls_back_to_eager_steps(qwen3_dir, random_draft_dir, monkeypatch, caplog):
+    """A mixed graph's first-use capture that raises (out of memory, say) costs no request:
+    that step and every later mixed step run eagerly, and the tokens are the reference's."""
+    ps, params = arrivals(3, seed=2, most=5)
+    spec = {"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed"}
+
+    def capture(self, bs, p, all_greedy):  # decode "graphs" replay eagerly; mixed ones fail
+        if p:
+            raise RuntimeError("capture refused")
+        self.graphs[(bs, p, all_greedy)] = SimpleNamespace(replay=lambda: self.step(bs, all_greedy, 0))
+
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+    kw = dict(model=str(qwen3_dir), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, speculative_config=spec)
+    llm = LLM(**kw)
+    monkeypatch.setattr(GraphRunner, "_capture_one", capture)
+    for g in llm.engine.runner.graphs.values():
+        g.enforce_eager = False
+    got = tokens(llm.generate(ps, params, use_tqdm=False))
+    paths = llm.engine.runner.steps_by_path()
+    assert paths["mixed_graph"] == 0 and paths["decode_graph"] > 0 and paths["eager"] >= 2, paths
+    assert all(g.mixed_tokens == 0 for g in llm.engine.runner.graphs.values())
+    assert "mixed steps run eagerly from now on" in caplog.text
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    assert got == tokens(LLM(**kw).generate(ps, params, use_tqdm=False))
+
+
 def test_max_mixed_graph_tokens_is_checked_and_reaches_the_engine():
     import argparse
 

@@ -84,6 +84,11 @@ MIXED_REQUESTS = 4
 MAX_MIXED_GRAPHS = 96
 
 
+class MixedCaptureFailed(RuntimeError):
+    """A mixed step's first-use capture failed: mixed graphs are off for the runner from now
+    on, and this step runs eagerly (the model runner's fallback)."""
+
+
 def bucket_of(buckets: list[int], num_reqs: int) -> int:
     """The smallest bucket that holds `num_reqs` decoding requests."""
     for bs in buckets:
@@ -364,7 +369,16 @@ class GraphRunner:
             # First step of this shape (greedy decode graphs exist from startup): capture now.
             t0 = time.perf_counter()
             self.reset_inputs()
-            self._capture_one(bs, p, all_greedy)
+            if not p:
+                self._capture_one(bs, p, all_greedy)
+            else:
+                try:
+                    self._capture_one(bs, p, all_greedy)
+                except Exception as e:  # noqa: BLE001  (an optimisation: the step still runs eagerly)
+                    logger.warning("capturing the mixed step %s failed (%s: %s); mixed steps run eagerly from now on",
+                                   key, type(e).__name__, e)
+                    self.token_buckets, self.mixed_tokens = [], 0
+                    raise MixedCaptureFailed(str(key)) from e
             logger.debug("captured the step graph %s (B = %d) in %.2f s", key, self.b, time.perf_counter() - t0)
         slot_of = self._stage(plan, st, bs, p)
         self.steps["mixed" if p else "decode"] += 1

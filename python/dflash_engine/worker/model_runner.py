@@ -34,7 +34,7 @@ from ..ops.dispatch import use_kernels
 from ..runtime_config import RuntimeConfig
 from . import step_costs
 from .deferred_context import DeferredContext
-from .graph_runner import GraphRunner, batch_buckets, bucket_of
+from .graph_runner import GraphRunner, MixedCaptureFailed, batch_buckets, bucket_of
 from .in_flight import InFlight
 from .kv_cache import KVCache
 from .memory import MemoryReport, peak_bytes, size_kv_pool
@@ -233,7 +233,11 @@ class ModelRunner:
         g = self.graphs.get(plan.block_rows)
         p = g.mixed_bucket(plan) if g is not None else None
         if p:
-            return g.run(plan, st, all_greedy, p)
+            try:
+                return g.run(plan, st, all_greedy, p)
+            except MixedCaptureFailed:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # (what the failed capture left queued)
         self.eager_steps += 1
         return self._launch_eager(plan, st, all_greedy)
 
