@@ -10,7 +10,7 @@ source bench/device_env.sh
 D=${DRAFT:-/tmp/dev/draft}
 for s in ${SETS:-humaneval chat}; do for c in ${CONC:-8 32}; do for m in ${MODES:-0 512}; do
     timeout ${EVAL_TIMEOUT:-200} python3 bench/eval_draft.py --draft $D --sets $s --concurrency $c --max-tokens 256 \
-        --draft-lengths 15 --repeat ${REPEAT:-2} --max-mixed-graph-tokens $m \
+        --draft-lengths ${DL:-15} --repeat ${REPEAT:-2} --max-mixed-graph-tokens $m \
         --json $OUT/mixed${m}_${s}_c$c.json 2>&1 | tee -a $OUT/mixed_ab.log | grep -v '^{' | tail -3
     python3 - "$OUT/mixed${m}_${s}_c$c.json" <<'PY'
 import json, sys
