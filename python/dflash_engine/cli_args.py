@@ -133,7 +133,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="GPU: run decode steps without CUDA graphs (same tokens, slower)")
     parser.add_argument("--max-mixed-graph-tokens", type=_non_negative_int, default=None,
                         help="GPU: the most prefill tokens a step beside decode rows may carry and "
-                             "still replay a CUDA graph (captured on first use; default 512; 0: "
+                             "still replay a CUDA graph (captured at startup; default 512; 0: "
                              "such steps run eagerly)")
     add_batch_invariant_arg(parser)
     add_cpu_weights_arg(parser)

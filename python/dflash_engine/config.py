@@ -182,7 +182,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # GPU: no CUDA graphs (same shapes and tokens, slower)
     # GPU: the most prefill tokens a step that also carries decode rows may hold and still replay
-    # a CUDA graph (bucketed; captured on first use). 0: such mixed steps run eagerly.
+    # a CUDA graph (bucketed; captured at startup). 0: such mixed steps run eagerly.
     max_mixed_graph_tokens: int = 512
     served_model_name: str | None = None
     # Share the KV (target and draft) of cached prompt prefixes, as vLLM's --enable-prefix-caching.

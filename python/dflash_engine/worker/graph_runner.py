@@ -27,7 +27,8 @@ its drafts land in padding rows), then one slot per prefill request (its chunk's
 a chunk that ends before its prompt does samples a row nobody reads). The draft pass and the
 acceptance read the first bs*B sample slots as the decode step does. A step with more
 prefill requests or tokens than that, no decoding request, or a hybrid target runs
-eagerly. Mixed graphs are captured on first use (a step's shape meets its graph once).
+eagerly. Greedy mixed graphs are captured at startup with the decode ones (every capture
+bucket x prefill bucket); sampled ones and buckets captured later on first use.
 
 A hybrid target's step also stages its state slots (`state_read` per request, `state_write`
 per row; padding: -1, nothing read or kept) and marks the step all-per-token
@@ -79,9 +80,9 @@ def mixed_buckets(max_tokens: int) -> list[int]:
 
 # Prefill requests a mixed graph holds besides its decoding requests (more: the step runs eagerly).
 MIXED_REQUESTS = 4
-# Mixed graphs one runner captures at most (each first use stalls its step by a capture, ~0.1 s
-# for a small model); a new shape past this runs eagerly.
-MAX_MIXED_GRAPHS = 96
+# Mixed graphs one runner captures at most (the startup set: capture buckets x prefill buckets;
+# a sampled variant's first use stalls its step by a capture); a new shape past this runs eagerly.
+MAX_MIXED_GRAPHS = 256
 
 
 class MixedCaptureFailed(RuntimeError):
@@ -306,8 +307,11 @@ class GraphRunner:
 
     # ---- capture and replay ----------------------------------------------------------------
     def capture(self, modes: tuple[bool, ...] = (True,)) -> None:
-        """Capture the decode step for every startup bucket (largest first, sharing one memory
-        pool). Mixed steps are captured on first use."""
+        """Capture the decode step, and the mixed step of every prefill-token bucket, for
+        every startup bucket (largest first, sharing one memory pool): a capture in the middle
+        of serving stalls its step (run 36: the first pass of a 164-prompt HumanEval run at
+        c = 32 ran at half the speed of the next while capturing). Sampled variants are
+        captured on first use."""
         if self.enforce_eager:
             return
         self.reset_inputs()
@@ -316,13 +320,15 @@ class GraphRunner:
         t0 = time.perf_counter()
         for all_greedy in modes:
             for bs in reversed(self.capture_buckets):
-                self._capture_one(bs, 0, all_greedy)
+                for p in [0] + list(reversed(self.token_buckets)):
+                    self._capture_one(bs, p, all_greedy)
         torch.cuda.synchronize(self.device)
         self.capture_seconds += time.perf_counter() - t0
         torch.cuda.empty_cache()  # the warm-ups' cached blocks: not graph memory; the pool stays
         self.graph_bytes += max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        logger.info("captured %d decode graphs (B = %d, D = %d, buckets %s) in %.1f s, %.0f MiB", len(self.graphs),
-                    self.b, self.d, self.capture_buckets, self.capture_seconds, self.graph_bytes / 2**20)
+        logger.info("captured %d step graphs (B = %d, D = %d, buckets %s, %d of them mixed: prefill buckets %s) in "
+                    "%.1f s, %.0f MiB", len(self.graphs), self.b, self.d, self.capture_buckets, self.mixed_graphs,
+                    self.token_buckets, self.capture_seconds, self.graph_bytes / 2**20)
 
     def reset_inputs(self) -> None:
         """Every request a padding request (writes nothing anywhere): capture and profiling."""
@@ -344,8 +350,8 @@ class GraphRunner:
         stream = self._warmup_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                self.step(bs, all_greedy, p)
+            for _ in range(1 if p else 2):  # warm up: Triton compiles, cuBLAS picks its kernels (the
+                self.step(bs, all_greedy, p)  # mixed shapes after the decode ones: compiled already)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local" if self.collectives else "global"):
