@@ -201,9 +201,8 @@ def test_profile_runs_the_kernel_path_and_the_decode_step(qwen3_dir, random_draf
     g.step = lambda bs, all_greedy, p=0: calls.append((bs, all_greedy, p)) or real_step(bs, all_greedy, p)
     before = _kv_snapshot(e.runner)
     assert e.runner.profile() == (None, None)
-    # the largest bucket, sampled: the decode step, then the largest mixed step (its prefill
-    # tokens: the step budget's 24, the top mixed bucket)
-    assert calls == [(3, False, 0), (3, False, 24)]
+    # the largest bucket, sampled (on CUDA the largest mixed step too: its peak sizes the graph pool)
+    assert calls == [(3, False, 0)]
     assert all(torch.equal(a, b) for a, b in zip(before, _kv_snapshot(e.runner)))
 
 

@@ -191,7 +191,7 @@ class ModelRunner:
                 g = self.graphs[rc.block_rows]
                 g.reset_inputs()  # every request a padding request: q_len 0, slots -1, null pages
                 decode = peak_bytes(self.device, lambda: g.step(g.max_bs, all_greedy=False))
-                if g.mixed_tokens:  # the graphs' pool also holds the largest mixed step
+                if g.mixed_tokens and self.device.type == "cuda":  # the graphs' pool also holds the largest mixed step
                     mixed = peak_bytes(self.device, lambda: g.step(g.max_bs, False, g.mixed_tokens))
                     decode = None if decode is None else max(decode, mixed or 0)
         finally:
