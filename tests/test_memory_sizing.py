@@ -11,6 +11,7 @@ import torch
 from dflash_engine import _core
 from dflash_engine.engine import LLMEngine
 from dflash_engine.worker.memory import (
+    GRAPH_BYTES_EACH,
     GRAPH_SLACK_BYTES,
     MemoryReport,
     cpu_pool_pages,
@@ -235,6 +236,8 @@ def test_the_cuda_branch_arithmetic_with_a_stand_in_device(qwen3_dir, random_dra
     assert m.num_pages == size_pool(80 * GiB, 10 * GiB, 3 * GiB, 0.9, r.bytes_per_page, reserve) > 0
     assert m.source == "--gpu-memory-utilization 0.9" and "peak activation 3.00 GiB" in m.lines()[1]
     assert size_kv_pool(rc, r.bytes_per_page, profile, graphs=False).graph_reserve_bytes == 0  # no graphs: no reserve
+    assert size_kv_pool(rc, r.bytes_per_page, profile, graphs=True, num_graphs=70).graph_reserve_bytes == \
+        reserve + 70 * GRAPH_BYTES_EACH  # each startup graph's own memory
     rc.num_gpu_blocks_override = 100
     m = size_kv_pool(rc, r.bytes_per_page, profile, graphs=True)
     assert m.num_pages == 101 and m.source == "--num-gpu-blocks-override 100" and m.peak_activation_bytes == 3 * GiB

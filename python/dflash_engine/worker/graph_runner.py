@@ -163,6 +163,11 @@ class GraphRunner:
         self.capture_seconds = 0.0
         self.graph_bytes = 0
 
+    @property
+    def startup_graphs(self) -> int:
+        """Graphs `capture` takes (0 in eager mode)."""
+        return 0 if self.enforce_eager else len(self.capture_buckets) * (1 + len(self.token_buckets))
+
     # ---- host side --------------------------------------------------------------------
     def bucket(self, num_reqs: int) -> int:
         return bucket_of(self.buckets, num_reqs)

@@ -103,7 +103,8 @@ class ModelRunner:
                     collectives=tp is not None, mixed_tokens=mixed_tokens)
         capturing = any(not g.enforce_eager for g in self.graphs.values())
         self.memory: MemoryReport = size_kv_pool(rc, self.bytes_per_page, self.profile, capturing,
-                                                 self.state_layout.bytes_per_slot if self.state_layout else 0)
+                                                 self.state_layout.bytes_per_slot if self.state_layout else 0,
+                                                 num_graphs=sum(g.startup_graphs for g in self.graphs.values()))
         if tp is not None:  # every rank's pool has the pages the tightest rank fits
             self.memory.num_pages = tp.agree_min(self.memory.num_pages)
         self.memory.check_holds_one_request()
