@@ -90,8 +90,10 @@ def _startup_report(engine: LLMEngine) -> list[str]:
         num_graphs = sum(len(g.graphs) for g in runners.values())
         seconds = sum(g.capture_seconds for g in runners.values())
         buckets = {b: g.capture_buckets for b, g in runners.items()}
-        lines.append(f"decode step: {num_graphs} CUDA graphs (batch buckets per verify block B: {buckets}) "
-                     f"captured in {seconds:.1f} s, {engine.runner.memory.graph_bytes / 2**20:.0f} MiB")
+        mixed = next(iter(runners.values())).token_buckets
+        lines.append(f"decode step: {num_graphs} CUDA graphs (batch buckets per verify block B: {buckets}; mixed "
+                     f"steps: prefill-token buckets {mixed or 'none, eager'}) captured in {seconds:.1f} s, "
+                     f"{engine.runner.memory.graph_bytes / 2**20:.0f} MiB")
     return lines
 
 
