@@ -77,6 +77,12 @@ class RequestStream:
         return item
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """On the event loop: each output into its stream's queue."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
 @dataclass
 class _Add:
     stream: RequestStream
@@ -353,8 +359,12 @@ class AsyncLLMEngine:
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their streams (engine thread)."""
+        """Hand outputs to their streams (engine thread): one hand-off per event loop for the
+        whole batch, not one per output (each `call_soon_threadsafe` wakes the loop through
+        its self-pipe, and the loop's wake-ups contend with this thread for the GIL). A
+        stream's items keep their order: one loop runs its callbacks first in, first out."""
         now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -363,7 +373,12 @@ class AsyncLLMEngine:
                 del self._streams[out.request_id]
             if self.metrics is not None:
                 self.metrics.observe_output(stream, out, now)
-            stream.put(out)
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is listening any more
 
     def _fail_queued_adds(self) -> None:
         while True:
