@@ -17,9 +17,11 @@ from . import protocol as p
 
 
 def sse(obj: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    data = obj.model_dump() if isinstance(obj, BaseModel) else obj
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    """One server-sent event carrying ``obj`` as JSON (a model: pydantic-core's serializer,
+    compact, without the dict round trip; every streamed chunk of every request goes here)."""
+    if isinstance(obj, BaseModel):
+        return f"data: {obj.model_dump_json()}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _usage(out: RequestOutput) -> p.UsageInfo:
