@@ -147,7 +147,7 @@ def test_install_then_exact_mode_drops_the_backend(qwen3_dir):
 
 
 def test_engine_packs_only_in_the_fast_mode(qwen3_dir, random_draft_dir):
-    spec = {"method": "dflash", "model": str(random_draft_dir)}
+    spec = {"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed"}  # (adaptive may never draft)
     fast = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False, cpu_weights="bf16", speculative_config=spec)
     exact = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=True, cpu_weights="bf16")
     plain = LLM(model=str(qwen3_dir), device="cpu", batch_invariant=False)  # auto: an HF float32 model stays float32
