@@ -43,20 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_engine.server.async_engine import AsyncLLMEngine
     from dflash_engine.worker.in_flight import InFlight
 
-    if args.per_output:
-        def deliver(self, outputs):  # the earlier AsyncLLMEngine._deliver: one call_soon_threadsafe per output
-            now = time.monotonic()
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                if out.finished:
-                    del self._streams[out.request_id]
-                if self.metrics is not None:
-                    self.metrics.observe_output(stream, out, now)
-                stream.put(out)
-
-        AsyncLLMEngine._deliver = deliver
+    if args.per_output:  # one hand-off per output: the batched delivery called once per output
+        batched = AsyncLLMEngine._deliver
+        AsyncLLMEngine._deliver = lambda self, outputs: [batched(self, [out]) for out in outputs] and None
     steps = [0]
     spec = {"method": "dflash", "num_speculative_tokens": args.k, "draft_length": "fixed"} if args.k else "none"
 

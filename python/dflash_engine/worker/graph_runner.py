@@ -157,11 +157,15 @@ class GraphRunner:
         self.host_out = torch.zeros(ns + bs, dtype=torch.int64, pin_memory=on_gpu)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bs, P (0: decode), all greedy)
         self.steps = {"decode": 0, "mixed": 0}  # steps this runner ran, by kind
-        self.mixed_graphs = 0  # captured
         self.pool = None  # a graph memory pool, shared by every runner of the model runner
         self._warmup_stream = None
         self.capture_seconds = 0.0
         self.graph_bytes = 0
+
+    @property
+    def mixed_graphs(self) -> int:
+        """Mixed graphs captured."""
+        return sum(1 for key in self.graphs if key[1])
 
     @property
     def startup_graphs(self) -> int:
@@ -192,9 +196,10 @@ class GraphRunner:
         if not np.array_equal(plan.sample_rows[ss[rd:-1][sampled]], qsl[rd + 1:][sampled] - 1):
             return None
         p = next(p for p in self.token_buckets if p >= prefill)
-        if (not self.enforce_eager and self.mixed_graphs >= MAX_MIXED_GRAPHS
-                and (self.bucket(rd), p, True) not in self.graphs and (self.bucket(rd), p, False) not in self.graphs):
-            return None  # (the exact key also needs all_greedy; a step of a captured shape may still capture once)
+        bs = self.bucket(rd)  # a new shape past the cap runs eagerly (counted only then: off the common path)
+        if (not self.enforce_eager and (bs, p, True) not in self.graphs and (bs, p, False) not in self.graphs
+                and self.mixed_graphs >= MAX_MIXED_GRAPHS):
+            return None
         return p
 
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
@@ -364,7 +369,6 @@ class GraphRunner:
         if self.pool is None:
             self.pool = g.pool()
         self.graphs[(bs, p, all_greedy)] = g
-        self.mixed_graphs += p > 0
 
     @torch.inference_mode()
     def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool, p: int = 0) -> InFlight:
