@@ -14,14 +14,48 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dflash_engine.engine import LLMEngine
+
+
+def stub_engine(c: int, k: int, device_ms: float) -> LLMEngine:
+    """The embedded engine with the device's work stubbed (module level: the engine process
+    builds it by name)."""
+    from dflash_engine.config import EngineConfig
+    from dflash_engine.engine import LLMEngine
+    from dflash_engine.worker.in_flight import InFlight
+
+    spec = {"method": "dflash", "num_speculative_tokens": k, "draft_length": "fixed"} if k else "none"
+    engine = LLMEngine(EngineConfig(model=None, speculative_config=spec, max_num_seqs=c, max_model_len=2048,
+                                    device="cpu"))
+    runner, rng = engine.runner, np.random.default_rng(0)
+    vocab = engine.model_config.vocab_size
+
+    def launch(plan, st, all_greedy):  # the device's work: ~2.6 drafts accepted a step
+        accepted = np.minimum(rng.geometric(0.28, len(plan)) - 1, plan.num_drafts).astype(np.int64)
+        sampled = rng.integers(100, vocab - 100, len(plan.sample_rows)).astype(np.int64)
+        done_at = time.perf_counter() + device_ms / 1e3
+
+        def wait():  # as a device copy: the GIL is free while the "device" runs
+            if (left := done_at - time.perf_counter()) > 0:
+                time.sleep(left)
+            return accepted, sampled
+
+        return InFlight(wait, runner.device)
+
+    runner.launch = launch
+    return engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,40 +65,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--port", type=int, default=8031)
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="the stub device's time per step (its results wait that long, GIL released)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the engine in a process of its own (serve's default) instead of a thread")
     ap.add_argument("--per-output", action="store_true",
                     help="hand each output to its stream's loop on its own (the delivery before the batched one)")
     args = ap.parse_args(argv)
 
     import uvicorn
 
-    from dflash_engine.config import EngineConfig
-    from dflash_engine.engine import LLMEngine
     from dflash_engine.server.api_server import build_app
     from dflash_engine.server.async_engine import AsyncLLMEngine
-    from dflash_engine.worker.in_flight import InFlight
+    from dflash_engine.server.engine_process import EngineProcessClient
 
     if args.per_output:  # one hand-off per output: the batched delivery called once per output
         batched = AsyncLLMEngine._deliver
         AsyncLLMEngine._deliver = lambda self, outputs: [batched(self, [out]) for out in outputs] and None
-    steps = [0]
-    spec = {"method": "dflash", "num_speculative_tokens": args.k, "draft_length": "fixed"} if args.k else "none"
-
-    def factory() -> LLMEngine:
-        engine = LLMEngine(EngineConfig(model=None, speculative_config=spec, max_num_seqs=args.c, max_model_len=2048,
-                                        device="cpu"))
-        runner, rng = engine.runner, np.random.default_rng(0)
-        vocab = engine.model_config.vocab_size
-
-        def launch(plan, st, all_greedy):  # the device's work, done at once; ~2.6 drafts accepted a step
-            steps[0] += 1
-            accepted = np.minimum(rng.geometric(0.28, len(plan)) - 1, plan.num_drafts).astype(np.int64)
-            sampled = rng.integers(100, vocab - 100, len(plan.sample_rows)).astype(np.int64)
-            return InFlight(lambda: (accepted, sampled), runner.device)
-
-        runner.launch = launch
-        return engine
-
-    async_engine = AsyncLLMEngine.build(factory)
+    factory_kwargs = {"c": args.c, "k": args.k, "device_ms": args.device_ms}
+    if args.engine_process:
+        async_engine = EngineProcessClient.build(factory_kwargs, factory=stub_engine)
+    else:
+        async_engine = AsyncLLMEngine.build(lambda: stub_engine(**factory_kwargs))
     app = build_app(async_engine, "host-serve")
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -75,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         except OSError:
             time.sleep(0.1)
-    steps0 = steps[0]
+    steps0 = sum(async_engine.stats().spec_draft_len_counts.values())
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "dflash_engine.cli", "bench", "serve", "--port", str(args.port),
@@ -84,11 +106,20 @@ def main(argv: list[str] | None = None) -> int:
                         str(args.c), "--result-dir", out, "--result-filename", "r.json", "--disable-tqdm"], check=True)
         wall = time.perf_counter() - t0
         rung = json.load(open(f"{out}/r.json"))["rungs"][0]
-    n = steps[0] - steps0
-    print(f"c={args.c} K={args.k} {'per-output' if args.per_output else 'batched'} delivery: {n} engine steps in {wall:.1f} s ({n / wall:.0f} steps/s, {wall / max(n, 1) * 1e3:.2f} ms a step); "
-          f"client output tok/s {rung.get('output_throughput', rung.get('output_tok_s'))}")
+    time.sleep(0.1)  # the engine process's last stats
+    n = sum(async_engine.stats().spec_draft_len_counts.values()) - steps0
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{args.port}/metrics").read().decode()
+    ttft = {k: float(re.search(rf"^vllm:time_to_first_token_seconds_{k}{{[^}}]*}} (\S+)$", metrics, re.M).group(1))
+            for k in ("sum", "count")}
+    mode = "engine process" if args.engine_process else "engine thread"
+    print(f"c={args.c} K={args.k} device {args.device_ms} ms, {mode}, "
+          f"{'per-output' if args.per_output else 'batched'} delivery: {n} engine steps in {wall:.1f} s "
+          f"({n / wall:.0f} steps/s, {wall / max(n, 1) * 1e3:.2f} ms a step); client output tok/s "
+          f"{rung.get('output_throughput', rung.get('output_tok_s')):.0f}, TTFT client {rung.get('mean_ttft_ms', 0):.1f} ms "
+          f"/ server {ttft['sum'] / max(ttft['count'], 1) * 1e3:.1f} ms (from add_request)")
     server.should_exit = True
     thread.join(timeout=10)
+    async_engine.shutdown()
     return 0
 
 

@@ -363,8 +363,8 @@ def test_state_dtype_flag_reaches_the_engine_config():
 def test_startup_report_says_prefix_caching_is_off_for_a_hybrid(hybrid_dir):
     """A hybrid target turns the requested prefix cache off; `serve`'s first line says so
     (it printed "on" from the request in run 30)."""
-    from dflash_engine.server.api_server import _startup_report
+    from dflash_engine.server.startup_report import startup_report
 
     llm = LLM(model=str(hybrid_dir), device="cpu", max_num_seqs=2, enable_prefix_caching=True)
     assert not llm.engine.runtime_config.enable_prefix_caching
-    assert "prefix caching: off (not supported for hybrid targets)" in _startup_report(llm.engine)[0]
+    assert "prefix caching: off (not supported for hybrid targets)" in startup_report(llm.engine)[0]

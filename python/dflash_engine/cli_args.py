@@ -139,6 +139,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
                         help="build each step's outputs after it, not while the GPU runs the next "
                              "(default: overlapped; also DFLASH_OVERLAP=0)")
+    parser.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                        help="run the engine on a thread of the server's process (default: in a process "
+                             "of its own, so HTTP and streaming never hold the GIL the engine's steps "
+                             "need); torchrun's external_launcher always runs it in-process")
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
                         help="larger request bodies get a 413 (default: 4 MiB)")
     parser.add_argument("--uvicorn-log-level", default="info",

@@ -1,4 +1,7 @@
-"""AsyncLLMEngine: the synchronous LLMEngine driven by one background thread.
+"""The engine behind the server: EngineClient (what routes call), EngineLoop (what drives
+the engine), and AsyncLLMEngine, both in one process: the synchronous LLMEngine driven by one
+background thread (`--disable-frontend-multiprocessing`; engine_process.py runs the same
+EngineLoop in a process of its own, the default of `serve`).
 
     event loop (asyncio)                         engine thread
     --------------------                         -------------
@@ -24,7 +27,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .. import envs
 from ..outputs import RequestOutput
@@ -50,7 +53,7 @@ class EngineDead(Exception):
     """The engine thread has stopped; nothing can be served (the server answers 503)."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: an abort names the very stream it came from
 class RequestStream:
     """Outputs of one request, delivered on the event loop that created it."""
 
@@ -71,21 +74,40 @@ class RequestStream:
             pass  # the loop is closed: nobody is listening any more
 
     async def get(self) -> RequestOutput:
+        """The next output; when the consumer fell behind, every output already queued, merged
+        into one (as vLLM's output collector does): one SSE chunk, not one per engine step."""
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
+        while not item.finished and not self.queue.empty():
+            nxt = self.queue._queue[0]  # type: ignore[attr-defined]  # peek: an error stays queued
+            if isinstance(nxt, BaseException):
+                break
+            self.queue.get_nowait()
+            item = merge_outputs(item, nxt)
         return item
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    """On the event loop: each output into its stream's queue."""
-    for q, item in items:
-        q.put_nowait(item)
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """``later`` carrying the deltas of both (its cumulative fields already cover ``earlier``)."""
+    later.new_token_ids = earlier.new_token_ids + later.new_token_ids
+    later.new_text = earlier.new_text + later.new_text
+    return later
+
+
+class _Stream(Protocol):
+    """Where one request's outputs go: a RequestStream, or a handle naming one in another
+    process (engine_process.py)."""
+
+    request_id: str
+    client_request_id: str | None
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
 
 
 @dataclass
 class _Add:
-    stream: RequestStream
+    stream: _Stream
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
@@ -93,7 +115,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    stream: RequestStream
+    stream: _Stream
 
 
 class _Stop:
@@ -114,39 +136,312 @@ def _shorten_switch_interval() -> None:
         sys.setswitchinterval(ms / 1000)
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._live: dict[str, RequestStream] = {}  # event loop only: added, not yet done with
-        self._thread: threading.Thread | None = None
-        self._go: threading.Event | None = None  # set by start() when built on its own thread (build)
-        self._dead: BaseException | None = None
-        self._last_stats = engine.stats()  # a snapshot already
-        # Outputs ready mid-step (while the device runs the next step) go to their streams
-        # at once, off the device's critical path (engine.py, module doc).
-        engine.output_sink = self._deliver
+class EngineClient:
+    """The engine as the server's routes see it: add a request and read its stream, abort it,
+    ask for health and stats. Request ids are the caller's (the server mints a fresh one per
+    HTTP request) and unique among live requests. Subclasses say how a request reaches the
+    engine (``_submit_add`` / ``_submit_abort``) and what the engine is (the properties)."""
 
-    # ---- event-loop side ---------------------------------------------------------------
+    engine: LLMEngine | None = None  # the engine object, where it lives in this process
+
+    def __init__(self) -> None:
+        self.metrics: ServerMetrics | None = None  # set by build_app: latency histograms
+        self._live: dict[str, RequestStream] = {}  # event loop only: added, not yet done with
+
+    # ---- what the engine is (subclasses) -------------------------------------------------
+
+    tokenizer: Tokenizer | None
+    vocab_size: int  # valid token ids are [0, vocab_size)
+    synthetic_acceptance: bool  # benchmark-only synthetic acceptance is on: outputs say so
+    max_model_len: int
 
     @property
-    def tokenizer(self) -> Tokenizer | None:
+    def is_healthy(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        raise NotImplementedError
+
+    def _new_stream(self, request_id: str, client_request_id: str | None, prompt_token_ids: list[int],
+                    prompt: str | None) -> RequestStream:
+        return RequestStream(request_id, asyncio.get_running_loop(), client_request_id)
+
+    def _submit_add(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None) -> None:
+        raise NotImplementedError
+
+    def startup_report(self) -> list[str]:
+        """What `serve` prints before it listens (startup_report.py)."""
+        raise NotImplementedError
+
+    def _submit_abort(self, stream: RequestStream) -> None:
+        raise NotImplementedError
+
+    def _fail_queued_adds(self) -> None:
+        """Fail adds the engine will never read (it died meanwhile)."""
+        raise NotImplementedError
+
+    # ---- streams ---------------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet released by their consumer (event-loop view)."""
+        return len(self._live)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        client_request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; errors (including the engine's ValueError) arrive on the stream.
+
+        ``request_id`` must be unique among live requests (a ValueError otherwise, and the
+        live request is untouched); call ``release`` once done with the stream.
+        """
+        if not self.is_healthy:
+            raise EngineDead(f"engine is not running: {self.dead_error!r}")
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        ids = list(prompt_token_ids)
+        stream = self._new_stream(request_id, client_request_id, ids, prompt)
+        self._live[request_id] = stream
+        self._submit_add(stream, ids, params, prompt)
+        if not self.is_healthy:  # the engine died meanwhile; its last drain may have missed this
+            self._fail_queued_adds()
+        return stream
+
+    def release(self, stream: RequestStream, abort: bool) -> None:
+        """The consumer is done with ``stream``; with ``abort``, end its request in the engine."""
+        if self._live.get(stream.request_id) is stream:
+            del self._live[stream.request_id]
+        if abort:
+            self._submit_abort(stream)
+
+    def abort(self, request_id: str) -> None:
+        """Abort the live request added under ``request_id`` (no-op once it is done)."""
+        stream = self._live.get(request_id)
+        if stream is not None:
+            self._submit_abort(stream)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        client_request_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs until it finishes; raise what failed it."""
+        stream = self.add_request(request_id, prompt_token_ids, params, prompt, client_request_id)
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                if out.finished and (out.error is not None or out.outputs[0].finish_reason == "error"):
+                    raise RequestFailed(out.error or "request failed in the engine")
+                yield out
+        finally:
+            self.release(stream, abort=not finished)
+
+
+class EngineLoop:
+    """Drives an LLMEngine on the thread that owns it: commands (add, abort, stop) are applied
+    between steps, outputs leave through ``_hand_off`` in one batch per step (mostly via the
+    engine's output_sink, during device time). A step that raises past the engine's own
+    isolation fails the requests the engine holds and aborts them, so their pages return, and
+    the loop goes on. The loop dies only when the engine cannot even be reset (or reports a
+    fatal error): every request then fails with EngineDead.
+
+    Streams here are whatever the commands carry: the consumer's RequestStream (one process)
+    or a handle naming it across the process boundary (engine_process.py); an abort ends a
+    request only when it names the stream that added it."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._dead: BaseException | None = None
+        self._last_stats = engine.stats()  # a snapshot already
+        engine.output_sink = self._deliver
+
+    def _fatal(self) -> BaseException | None:
+        """The engine's own verdict that it cannot serve (a tensor-parallel rank died)."""
+        return getattr(self.engine, "fatal_error", None)
+
+    def _hand_off(self, items: list[tuple[_Stream, RequestOutput]], now: float) -> None:
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        # A copy: the engine updates its stats object in place during steps.
+        self._last_stats = self.engine.stats()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                if not self._apply_commands(block=not busy):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._after_step()
+        except BaseException as e:  # the engine could not be reset: stop serving, truthfully
+            logger.exception("engine loop died")
+            self._dead = e
+        finally:
+            for stream in self._streams.values():
+                stream.put(EngineDead(f"engine stopped: {self._dead!r}"))
+            self._streams.clear()
+            self._fail_queued_adds()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command; False once shutdown is requested."""
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self._abort(cmd.stream)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.stream.request_id
+        if rid in self._streams:
+            cmd.stream.put(ValueError(f"request id {rid!r} is already in flight"))
+            return
+        try:
+            self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt)
+        except ValueError as e:
+            cmd.stream.put(e)
+            return
+        except Exception as e:  # a bug on one request's way in must not stop the loop
+            logger.exception("add_request %s (X-Request-Id %r) failed", rid, cmd.stream.client_request_id)
+            cmd.stream.put(RequestFailed(f"could not add the request: {e!r}"))
+            return
+        self._streams[rid] = cmd.stream
+
+    def _abort(self, stream: _Stream) -> None:
+        rid = stream.request_id
+        if self._streams.get(rid) != stream:  # identity, or a handle's (id, serial)
+            return  # already finished, never admitted, or not this stream's request
+        del self._streams[rid]
+        self.engine.abort_request(rid)
+        stream.put(RequestAborted(rid))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            if self._fatal() is not None:
+                raise  # the engine cannot serve any more: the loop ends, every request fails
+            # The engine is meant to contain step failures itself; this is the backstop.
+            logger.exception("engine step raised; failing its %d requests", len(self._streams))
+            for rid, stream in list(self._streams.items()):
+                self.engine.abort_request(rid)
+                stream.put(RequestFailed(f"engine step failed: {e!r}"))
+            self._streams.clear()
+            return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams, in one batch (``_hand_off``)."""
+        items: list[tuple[_Stream, RequestOutput]] = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            items.append((stream, out))
+        if items:
+            self._hand_off(items, time.monotonic())
+
+    def _fail_queued_adds(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.stream.put(EngineDead("engine stopped"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    """On the event loop: each item into its stream's queue."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def hand_off_to_loops(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    """Outputs to their streams' event loops: one hand-off per loop for the whole batch, not
+    one per output (each `call_soon_threadsafe` wakes the loop through its self-pipe, and the
+    loop's wake-ups contend with the caller's thread for the GIL). A stream's items keep their
+    order: one loop runs its callbacks first in, first out."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+    for stream, out in items:
+        batches.setdefault(stream.loop, []).append((stream.queue, out))
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+
+class AsyncLLMEngine(EngineLoop, EngineClient):
+    """The engine on a background thread of the server's process (module doc).
+
+        event loop (asyncio)                         engine thread
+        --------------------                         -------------
+        add_request / abort  --> commands queue -->  applied between steps
+        RequestStream.get()  <-- call_soon_threadsafe <-- step() outputs, one batch a step
+
+    The engine is only touched from its thread, so the event loop never waits on a step; but
+    both share the GIL, so the event loop's Python (HTTP, SSE, JSON) delays the engine's host
+    work at high request rates: engine_process.py is the default of `serve` for that reason.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+        EngineClient.__init__(self)
+        EngineLoop.__init__(self, engine)
+        self.metrics = metrics
+        self._thread: threading.Thread | None = None
+        self._go: threading.Event | None = None  # set by start() when built on its own thread (build)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:  # type: ignore[override]
         return self.engine.tokenizer
 
     @property
-    def vocab_size(self) -> int:
-        """The target's vocabulary: valid token ids are [0, vocab_size)."""
+    def vocab_size(self) -> int:  # type: ignore[override]
         return self.engine.model_config.vocab_size
 
     @property
-    def synthetic_acceptance(self) -> bool:
-        """Benchmark-only synthetic acceptance is on: every output says so."""
+    def synthetic_acceptance(self) -> bool:  # type: ignore[override]
         return self.engine.synthetic_acceptance
 
     @property
-    def max_model_len(self) -> int:
+    def max_model_len(self) -> int:  # type: ignore[override]
         # The engine resolves the effective length (config.max_model_len may be None).
         return self.engine.max_model_len
 
@@ -159,18 +454,18 @@ class AsyncLLMEngine:
     def dead_error(self) -> BaseException | None:
         return self._dead or self._fatal()
 
-    def _fatal(self) -> BaseException | None:
-        """The engine's own verdict that it cannot serve (a tensor-parallel rank died)."""
-        return getattr(self.engine, "fatal_error", None)
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests added and not yet released by their consumer (event-loop view)."""
-        return len(self._live)
-
     def stats(self) -> EngineStats:
         """The engine's stats as of the end of the latest step (never races a step)."""
         return self._last_stats
+
+    @property
+    def model_path(self) -> str:
+        return str(self.engine.model_path)
+
+    def startup_report(self) -> list[str]:
+        from .startup_report import startup_report
+
+        return startup_report(self.engine)
 
     @classmethod
     def build(cls, factory: Callable[[], LLMEngine]) -> AsyncLLMEngine:
@@ -222,169 +517,15 @@ class AsyncLLMEngine:
                 self._go.set()
             self._thread.join(timeout)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        client_request_id: str | None = None,
-    ) -> RequestStream:
-        """Queue a request; errors (including the engine's ValueError) arrive on the stream.
+    def _submit_add(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None) -> None:
+        self._commands.put(_Add(stream, prompt_token_ids, params, prompt))
 
-        ``request_id`` must be unique among live requests (a ValueError otherwise, and the
-        live request is untouched); call ``release`` once done with the stream.
-        """
-        if not self.is_healthy:
-            raise EngineDead(f"engine is not running: {self.dead_error!r}")
-        if request_id in self._live:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        stream = RequestStream(request_id, asyncio.get_running_loop(), client_request_id)
-        self._live[request_id] = stream
-        self._commands.put(_Add(stream, list(prompt_token_ids), params, prompt))
-        if not self.is_healthy:  # the thread died meanwhile; its last drain may have missed this
-            self._fail_queued_adds()
-        return stream
+    def _submit_abort(self, stream: RequestStream) -> None:
+        self._commands.put(_Abort(stream))
 
-    def release(self, stream: RequestStream, abort: bool) -> None:
-        """The consumer is done with ``stream``; with ``abort``, end its request in the engine."""
-        if self._live.get(stream.request_id) is stream:
-            del self._live[stream.request_id]
-        if abort:
-            self._commands.put(_Abort(stream))
-
-    def abort(self, request_id: str) -> None:
-        """Abort the live request added under ``request_id`` (no-op once it is done)."""
-        stream = self._live.get(request_id)
-        if stream is not None:
-            self._commands.put(_Abort(stream))
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        client_request_id: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs until it finishes; raise what failed it."""
-        stream = self.add_request(request_id, prompt_token_ids, params, prompt, client_request_id)
-        finished = False
-        try:
-            while not finished:
-                out = await stream.get()
-                finished = out.finished
-                if out.finished and (out.error is not None or out.outputs[0].finish_reason == "error"):
-                    raise RequestFailed(out.error or "request failed in the engine")
-                yield out
-        finally:
-            self.release(stream, abort=not finished)
-
-    # ---- engine thread -----------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                if not self._apply_commands(block=not busy):
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                # A copy: the engine updates its stats object in place during steps.
-                self._last_stats = self.engine.stats()
-        except BaseException as e:  # the engine could not be reset: stop serving, truthfully
-            logger.exception("engine loop died")
-            self._dead = e
-        finally:
-            for stream in self._streams.values():
-                stream.put(EngineDead(f"engine stopped: {self._dead!r}"))
-            self._streams.clear()
-            self._fail_queued_adds()
-
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply every queued command; False once shutdown is requested."""
-        try:
-            cmd = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if isinstance(cmd, _Stop):
-                return False
-            if isinstance(cmd, _Add):
-                self._add(cmd)
-            else:
-                self._abort(cmd.stream)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _add(self, cmd: _Add) -> None:
-        rid = cmd.stream.request_id
-        if rid in self._streams:
-            cmd.stream.put(ValueError(f"request id {rid!r} is already in flight"))
-            return
-        try:
-            self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt)
-        except ValueError as e:
-            cmd.stream.put(e)
-            return
-        except Exception as e:  # a bug on one request's way in must not stop the loop
-            logger.exception("add_request %s (X-Request-Id %r) failed", rid, cmd.stream.client_request_id)
-            cmd.stream.put(RequestFailed(f"could not add the request: {e!r}"))
-            return
-        self._streams[rid] = cmd.stream
-
-    def _abort(self, stream: RequestStream) -> None:
-        rid = stream.request_id
-        if self._streams.get(rid) is not stream:
-            return  # already finished, never admitted, or not this stream's request
-        del self._streams[rid]
-        self.engine.abort_request(rid)
-        stream.put(RequestAborted(rid))
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            if self._fatal() is not None:
-                raise  # the engine cannot serve any more: the loop ends, every request fails
-            # The engine is meant to contain step failures itself; this is the backstop.
-            logger.exception("engine step raised; failing its %d requests", len(self._streams))
-            for rid, stream in list(self._streams.items()):
-                self.engine.abort_request(rid)
-                stream.put(RequestFailed(f"engine step failed: {e!r}"))
-            self._streams.clear()
-            return
-        self._deliver(outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their streams (engine thread): one hand-off per event loop for the
-        whole batch, not one per output (each `call_soon_threadsafe` wakes the loop through
-        its self-pipe, and the loop's wake-ups contend with this thread for the GIL). A
-        stream's items keep their order: one loop runs its callbacks first in, first out."""
-        now = time.monotonic()
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            if self.metrics is not None:
+    def _hand_off(self, items: list[tuple[RequestStream, RequestOutput]], now: float) -> None:  # type: ignore[override]
+        if self.metrics is not None:
+            for stream, out in items:
                 self.metrics.observe_output(stream, out, now)
-            batches.setdefault(stream.loop, []).append((stream.queue, out))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is listening any more
-
-    def _fail_queued_adds(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Add):
-                cmd.stream.put(EngineDead("engine stopped"))
+        hand_off_to_loops(items)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 
 from . import protocol as p
-from .async_engine import AsyncLLMEngine
+from .async_engine import EngineClient
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServerContext:
-    engine: AsyncLLMEngine
+    engine: EngineClient
     metrics: ServerMetrics
     served_model_name: str  # what /v1/models lists and responses name
     model_root: str  # the model's path; clients may send it as `model` too

@@ -17,18 +17,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from . import protocol as p
-from .async_engine import AsyncLLMEngine
+from .async_engine import EngineClient
 from .errors import ENGINE_ERRORS, as_openai_error
 from .response_shapes import CompletionShape, sse
 
 
-async def _abort_on_disconnect(request: Request, engine: AsyncLLMEngine, request_id: str) -> None:
+async def _abort_on_disconnect(request: Request, engine: EngineClient, request_id: str) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     engine.abort(request_id)
 
 
-async def serve(engine: AsyncLLMEngine, request: Request, request_id: str, client_id: str | None,
+async def serve(engine: EngineClient, request: Request, request_id: str, client_id: str | None,
                 prompt_ids: list[int], prompt: str | None, params: SamplingParams,
                 req: p.SamplingFields, shape: CompletionShape) -> Response:
     """Run the request and answer it; until the stream takes over, this owns the cleanup."""
