@@ -69,7 +69,6 @@ def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
     from ..cli_args import engine_kwargs
-    from ..engine import LLMEngine
     from .engine_process import EngineProcessClient
 
     kwargs = engine_kwargs(args)
@@ -77,6 +76,8 @@ def run_server(args: argparse.Namespace) -> None:
     if args.disable_frontend_multiprocessing or kwargs.get("distributed_executor_backend") == "external_launcher":
         # One process: the engine on a thread of its own (built there; torchrun's rank 0 must
         # keep the engine in the process torchrun started).
+        from ..engine import LLMEngine
+
         async_engine = AsyncLLMEngine.build(lambda: LLMEngine.from_kwargs(**kwargs))
     else:
         async_engine = EngineProcessClient.build(kwargs)

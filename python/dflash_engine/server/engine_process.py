@@ -124,10 +124,11 @@ class _ChildLoop(EngineLoop):
         self.send(("out", [(h.request_id, h.serial, _delta(out)) for h, out in items]))
 
     def _after_step(self) -> None:
-        super()._after_step()
+        """Stats only when they go out (the snapshot costs host time on every step otherwise)."""
         now = time.monotonic()
         if now - self._stats_sent >= STATS_PERIOD_S or not self.engine.has_unfinished_requests():
             self._stats_sent = now
+            super()._after_step()
             self.send(("stats", self._last_stats))
 
 
