@@ -9,7 +9,7 @@
 #   adaptive             the shipped draft, adaptive draft length (serve's default policy)
 #   *_thread             the same with --disable-frontend-multiprocessing (engine on a thread)
 #   *_eagermixed         the same with --max-mixed-graph-tokens 0
-# Each client line also gets the server's own mean TTFT (from add_request, /metrics). Needs the
+# CONC_THREAD: the concurrencies of the *_thread servers (default CONC). Each client line also gets the server's own mean TTFT (from add_request, /metrics). Needs the
 # GGUF halves from earlier calls on the same warm machine and the draft at /tmp/dev/draft
 # (docs/GPU_NOTES.md).
 set -o pipefail
@@ -31,7 +31,8 @@ server() {
     for set in humaneval chat; do
         if [ $set = humaneval ]; then ds="--dataset-name humaneval --humaneval-output-len ${OUT_LEN:-256} --num-prompts ${NUM_HE:-164}"
         else ds="--dataset-name custom --dataset-path /tmp/chat.jsonl --custom-output-len ${OUT_LEN:-256} --num-prompts ${NUM_CHAT:-64}"; fi
-        IFS=, read -ra cs <<< "${CONC:-8,32}"
+        conc=${CONC:-8,32}; case $name in *_thread*) conc=${CONC_THREAD:-$conc} ;; esac
+        IFS=, read -ra cs <<< "$conc"
         for c in "${cs[@]}"; do
             before=$(server_ttft)
             timeout ${CLIENT_TIMEOUT:-150} python3 -m dflash_engine.cli bench serve --port 8000 --backend openai-chat $ds \
