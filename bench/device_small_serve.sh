@@ -37,7 +37,7 @@ server() {
             before=$(server_ttft)
             timeout ${CLIENT_TIMEOUT:-150} python3 -m dflash_engine.cli bench serve --port 8000 --backend openai-chat $ds \
                 --concurrency $c --result-dir $OUT --result-filename small_${name}_${set}_c$c.json --disable-tqdm \
-                --label "$name $set" 2>&1 > $L/client_${name}_${set}_c$c.log
+                --label "$name $set" > $L/client_${name}_${set}_c$c.log 2>&1
             after=$(server_ttft)
             row=$(grep -E "^ +$c +(OK|FAIL)" $L/client_${name}_${set}_c$c.log | tail -1)
             python3 -c "b, a = '$before'.split(), '$after'.split(); n = float(a[1]) - float(b[1])

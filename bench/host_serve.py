@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-output", action="store_true",
                     help="hand each output to its stream's loop on its own (the delivery before the batched one)")
     args = ap.parse_args(argv)
+    if args.per_output and args.engine_process:
+        ap.error("--per-output patches the engine thread's delivery; the engine process batches per step")
 
     import uvicorn
 

@@ -3,18 +3,10 @@ the engine), and AsyncLLMEngine, both in one process: the synchronous LLMEngine 
 background thread (`--disable-frontend-multiprocessing`; engine_process.py runs the same
 EngineLoop in a process of its own, the default of `serve`).
 
-    event loop (asyncio)                         engine thread
-    --------------------                         -------------
-    add_request / abort  --> commands queue -->  applied between steps
-    RequestStream.get()  <-- call_soon_threadsafe <-- step() outputs, per request (mostly
-                                                      via output_sink, during device time)
-
-The engine is only touched from its thread, so the event loop never waits on a step.
-Request ids are the caller's (the server mints a fresh one per HTTP request); an abort
-names the stream it came from, so it can only ever end the request that stream added.
-A step that raises past the engine's own isolation fails the requests the engine holds,
-aborts them so their pages return, and the loop goes on. The thread dies only when the
-engine cannot even be reset; ``is_healthy`` is then false and every request fails.
+The engine object is only touched from the thread (or process) that steps it, so the event
+loop never waits on a step. Request ids are the caller's (the server mints a fresh one per
+HTTP request); an abort names the stream it came from, so it can only ever end the request
+that stream added. Failure handling is EngineLoop's (its docstring).
 """
 
 from __future__ import annotations

@@ -113,12 +113,11 @@ class _ChildLoop(EngineLoop):
     def __init__(self, engine: LLMEngine, out: Connection) -> None:
         super().__init__(engine)
         self._out = out
-        self._send_lock = threading.Lock()
         self._stats_sent = 0.0
 
     def send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._out.send(msg)
+        """Engine thread only (steps, the output sink, command handling): one sender, no lock."""
+        self._out.send(msg)
 
     def _hand_off(self, items: list[tuple[_Handle, RequestOutput]], now: float) -> None:  # type: ignore[override]
         self.send(("out", [(h.request_id, h.serial, _delta(out)) for h, out in items]))
@@ -328,7 +327,7 @@ class EngineProcessClient(EngineClient):
             self._send(("add", stream.request_id, stream.serial, stream.client_request_id, prompt_token_ids,
                         params, prompt))
         except EngineDead:
-            self._fail_queued_adds()
+            pass  # add_request's health check, or the reader at the pipe's end, fails the stream
 
     def _submit_abort(self, stream: RequestStream) -> None:
         assert isinstance(stream, _RemoteStream)
