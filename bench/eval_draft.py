@@ -6,14 +6,18 @@ Prompt sets (chat template, greedy, --max-tokens new tokens, EOS honoured):
 - chat: the 64 general chat prompts below, written for this benchmark.
 
 Concurrency c: the engine runs with max_num_seqs=c and every prompt is submitted at once, so
-c requests decode together until the queue drains. Reports, per (set, c, spec): output tokens,
+c requests decode together until the queue drains. With --seats N every engine is built once
+(max_num_seqs=N, prefix caching off) and each cell keeps at most c requests in flight, adding
+the next prompt as one finishes (a client at concurrency c against a server); a pass runs
+max(--min-prompts, --prompts-per-seat x c) prompts, cycling the set, so that passes at every c
+last long enough to time; passes of the engines alternate (off, each K, off, ...). Reports, per (set, c, spec): output tokens,
 output tok/s (the median of --repeat passes over one engine), τ, and whether spec-on outputs equal spec-off outputs (on CPU in
 the exact mode they must; on the GPU near-tie flips are possible, and are counted).
 
     python bench/eval_draft.py --draft DRAFT_DIR [--target DIR] [--sets humaneval,chat]
         [--concurrency 1,8,32] [--max-tokens 256] [--limit N] [--device auto] [--batch-invariant]
         [--max-model-len 2048] [--draft-lengths adaptive,15,7,3]
-        [--json out.json]
+        [--seats 64 --prompts-per-seat 8 --min-prompts 16 --repeat 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -165,6 +169,101 @@ def run(target, draft, prompts: list[str], c: int, repeat: int = 1, **kw):
     return finish(e)
 
 
+def capped_pass(e: dict, ids: list[list[int]], c: int) -> list:
+    """One pass over `ids` with at most `c` requests in flight; returns the outputs in order
+    and appends the pass's output tok/s and device busy / idle ms per step to e["passes"]."""
+    engine, params = e["llm"].engine, e["params"]
+    before = engine.stats()
+    done, nxt, live, base = {}, 0, 0, e["next_id"]
+    t0 = time.perf_counter()
+    while nxt < len(ids) or live:
+        while live < c and nxt < len(ids):
+            engine.add_request(str(base + nxt), ids[nxt], params, final_only=True)
+            nxt, live = nxt + 1, live + 1
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id) - base] = out
+                live -= 1
+    dt = time.perf_counter() - t0
+    e["next_id"] = base + len(ids)
+    outs = [done[i] for i in range(len(ids))]
+    st = engine.stats()
+    steps = max(1, st.num_steps - before.num_steps)
+    e["passes"].append({"tok_s": round(sum(len(o.outputs[0].token_ids) for o in outs) / dt, 1),
+                        "busy_ms": round(1e3 * (st.step_busy_seconds - before.step_busy_seconds) / steps, 3),
+                        "idle_ms": round(1e3 * (st.step_idle_seconds - before.step_idle_seconds) / steps, 3)})
+    return outs
+
+
+def cell_row(e: dict, before, c: int, name: str, outs: list) -> dict:
+    """The row of one engine's cell: its passes since `before` (a stats snapshot)."""
+    st = e["llm"].engine.stats()
+    drafts = st.spec_num_drafts - before.spec_num_drafts
+    accepted = st.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    rates = [p["tok_s"] for p in e["passes"]]
+    row = {"set": name, "c": c, "spec": e["spec"], "k": e["k"], "prompts": len(outs),
+           "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+           "tok_s": sorted(rates)[len(rates) // 2], "passes": e["passes"],
+           "tau": round(1 + accepted / drafts, 3) if drafts else None,
+           "steps": st.num_steps - before.num_steps, "preemptions": st.num_preemptions - before.num_preemptions,
+           "steps_by_path": {p: n - before.steps_by_path.get(p, 0) for p, n in st.steps_by_path.items()},
+           "draft_len_counts": {k: v - before.spec_draft_len_counts.get(k, 0)
+                                for k, v in st.spec_draft_len_counts.items()}}
+    # Committed tokens per request-step at each K (1 + accepted / drafted): what a longer block bought.
+    row["tokens_per_request_step_by_k"] = {
+        k: round(1 + (st.spec_accepted_by_len[k] - before.spec_accepted_by_len.get(k, 0)) / n, 3)
+        for k in st.spec_drafts_by_len if (n := st.spec_drafts_by_len[k] - before.spec_drafts_by_len.get(k, 0))}
+    live = getattr(e["llm"].engine, "_live_costs", None)
+    if live is not None:  # the adaptive policy's measured step costs (ms) per (batch bucket, K)
+        row["live_costs_ms"] = {f"{b},{k}": round(v * 1e3, 3) for (b, k), v in sorted(live.measured.items())}
+    e["passes"] = []
+    return row
+
+
+def run_seats(args, sets, info) -> list[dict]:
+    """--seats: every engine built once; per (set, c), passes alternate between the engines."""
+    kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              cpu_weights=args.cpu_weights, num_gpu_blocks_override=args.num_gpu_blocks,
+              enable_prefix_caching=False)
+    if args.max_mixed_graph_tokens is not None:
+        kw["max_mixed_graph_tokens"] = args.max_mixed_graph_tokens
+    warm = ["Say hello."]
+    engines = [build(args.target, None, warm, args.seats, **kw)]
+    engines += [build(args.target, args.draft, warm, args.seats, **kw, draft_length=k)
+                for k in args.draft_lengths.split(",")]
+    tok = engines[0]["llm"].engine.tokenizer
+    for e in engines:
+        e.update(next_id=10**6, passes=[])
+    rows = []
+    for name in [s for s in args.sets.split(",") if s]:
+        base = sets[name]()[: args.limit]
+        base_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                               add_special_tokens=False) for p in base]
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            n = max(args.min_prompts, args.prompts_per_seat * c)
+            ids = [base_ids[i % len(base_ids)] for i in range(n)]
+            befores = [e["llm"].engine.stats() for e in engines]
+            outs = [None] * len(engines)
+            for _ in range(args.repeat):
+                for i, e in enumerate(engines):
+                    o = capped_pass(e, ids, c)
+                    outs[i] = outs[i] or o
+            cell = [cell_row(e, b, c, name, o) for e, b, o in zip(engines, befores, outs)]
+            ref = [o.outputs[0].token_ids for o in outs[0][: len(base)]]
+            for r, o in zip(cell[1:], outs[1:]):
+                r["same_as_spec_off"] = f"{sum(a == b.outputs[0].token_ids for a, b in zip(ref, o))}/{len(ref)}"
+                r["speedup"] = round(r["tok_s"] / cell[0]["tok_s"], 3)
+            cell[0]["same_as_spec_off"] = "-"
+            for r in cell:
+                print(json.dumps(r), flush=True)
+            rows += cell
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"info": info, "rows": rows}, f, indent=1)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", required=True)
@@ -192,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                          "under drifting machine speed; on a GPU give --num-gpu-blocks so that they all fit)")
     ap.add_argument("--max-mixed-graph-tokens", type=int, default=None,
                     help="the engines' max_mixed_graph_tokens (default: the engine's; 0: mixed steps eager)")
+    ap.add_argument("--seats", type=int, default=None,
+                    help="build each engine once with this many seats (prefix caching off) and keep at most c "
+                         "requests in flight per cell, passes alternating between engines")
+    ap.add_argument("--prompts-per-seat", type=int, default=8, help="--seats: a pass runs this many prompts x c")
+    ap.add_argument("--min-prompts", type=int, default=16, help="--seats: and at least this many")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     sets = {"humaneval": humaneval_prompts, "chat": lambda: list(CHAT_PROMPTS)}
@@ -200,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             "target": args.target or "default", "draft": args.draft, "loadavg": os.getloadavg(),
             "max_mixed_graph_tokens": args.max_mixed_graph_tokens}
     print(json.dumps(info), flush=True)
-    rows = []
-    for name in [s for s in args.sets.split(",") if s]:
+    rows = run_seats(args, sets, info) if args.seats else []
+    for name in ([] if args.seats else [s for s in args.sets.split(",") if s]):
         prompts = sets[name]()[: args.limit]
         for c in [int(x) for x in args.concurrency.split(",")]:
             kw = dict(max_tokens=args.max_tokens, device=args.device, batch_invariant=args.batch_invariant,

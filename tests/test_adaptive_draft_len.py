@@ -107,6 +107,19 @@ def test_metrics_export_the_choices(trained, reference):
               for line in text.splitlines() if line.startswith("dflash:draft_length_chosen_total")}
     assert set(chosen) == {"0", "1", "3"} and chosen["3"] > 0, chosen
 
+    def by_k(name):
+        return {line.split('k="')[1].split('"')[0]: float(line.split()[-1])
+                for line in text.splitlines() if line.startswith(name + "_total")}
+    # Per K: the request-steps that drafted K and their accepted drafts add up to the totals.
+    st = llm.stats()
+    drafts = by_k("dflash:spec_decode_num_drafts_by_draft_length")
+    accepted = by_k("dflash:spec_decode_num_accepted_tokens_by_draft_length")
+    assert drafts.keys() == accepted.keys() and "0" not in drafts and drafts["3"] > 0, drafts
+    assert sum(drafts.values()) == st.spec_num_drafts
+    assert sum(accepted.values()) == st.spec_num_accepted_tokens
+    assert sum(int(k) * n for k, n in drafts.items()) == st.spec_num_draft_tokens
+    assert all(accepted[k] <= int(k) * drafts[k] for k in drafts)
+
 
 def test_live_costs_refine_the_startup_table_by_what_steps_cost():
     """LiveCosts: a measured cell takes its mean (then an average with later windows); cells

@@ -48,6 +48,10 @@ class EngineStats:
     # Steps with decoding requests, by the K they verified (0: no draft pass); the draft-length
     # policy's choices.
     spec_draft_len_counts: dict[int, int] = field(default_factory=dict)
+    # Per K > 0: request-steps that drafted K, and the drafts of those accepted (the committed
+    # tokens per request-step at K are 1 + accepted / drafted: does a longer block pay?).
+    spec_drafts_by_len: dict[int, int] = field(default_factory=dict)
+    spec_accepted_by_len: dict[int, int] = field(default_factory=dict)
     # Prefix cache, in tokens: looked up at admission, and of those served from the cache.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -399,6 +403,11 @@ class LLMEngine:
         at_least = np.bincount(acc, minlength=k + 1)[::-1].cumsum()[::-1]
         for pos, c in enumerate(at_least[1:k + 1].tolist()):
             s.spec_accepted_per_pos[pos] += c
+        lens, inverse = np.unique(drafts[spec], return_inverse=True)
+        for i, (n_k, a_k) in enumerate(zip(np.bincount(inverse).tolist(), np.bincount(inverse, acc).tolist())):
+            kk = int(lens[i])
+            s.spec_drafts_by_len[kk] = s.spec_drafts_by_len.get(kk, 0) + n_k
+            s.spec_accepted_by_len[kk] = s.spec_accepted_by_len.get(kk, 0) + int(a_k)
 
     def _process(self, result) -> list[RequestOutput]:
         outputs = []
@@ -474,6 +483,7 @@ class LLMEngine:
             s, num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions,
             spec_accepted_per_pos=list(s.spec_accepted_per_pos),
+            spec_drafts_by_len=dict(s.spec_drafts_by_len), spec_accepted_by_len=dict(s.spec_accepted_by_len),
             spec_draft_len_counts=self.scheduler.draft_len_counts() if self.num_speculative_tokens else {},
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,

@@ -94,6 +94,15 @@ class _EngineStatsCollector:
         for k, n in sorted(s.spec_draft_len_counts.items()):
             chosen.add_metric([self.model_name, str(k)], float(n))
         yield chosen
+        for name, doc, counts in (
+                ("dflash:spec_decode_num_drafts_by_draft_length",
+                 "Request-steps that drafted K tokens (K > 0).", s.spec_drafts_by_len),
+                ("dflash:spec_decode_num_accepted_tokens_by_draft_length",
+                 "Accepted draft tokens of the request-steps that drafted K.", s.spec_accepted_by_len)):
+            fam = CounterMetricFamily(name, doc, labels=["model_name", "k"])
+            for k, n in sorted(counts.items()):
+                fam.add_metric([self.model_name, str(k)], float(n))
+            yield fam
         paths = CounterMetricFamily(
             "dflash:steps_by_path",
             "Engine steps launched, by path: decode_graph, mixed_graph (CUDA graphs of padded shapes) or eager.",
