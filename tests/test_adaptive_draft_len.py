@@ -152,6 +152,28 @@ def test_live_costs_refine_the_startup_table_by_what_steps_cost():
     assert live.measured[(1, 3)] == (1 - LiveCosts.ALPHA) * 3.0 + LiveCosts.ALPHA * 5.0
 
 
+def test_live_costs_charge_each_cell_the_host_time_before_its_steps():
+    """The host time the device waited before a cell's steps (their staging, the commit
+    before them) is that cell's; a cell with too few measured gaps, or none, is charged the
+    window's mean gap."""
+    from dflash_engine.worker.step_costs import LiveCosts, StepCosts
+
+    startup = StepCosts(buckets=[1, 32], ks=[0, 7, 15], seconds=[[1.0, 2.0, 2.1], [1.5, 3.0, 3.1]])
+    live = LiveCosts(startup)
+    n = LiveCosts.MIN_STEPS
+    live.observe({(32, 7): (3.0 * n, n, 0.4 * n, n), (32, 15): (3.1 * n, n, 0.8 * n, n),
+                  (32, 0): (1.5 * n, n, 0.1, 1)})  # K = 0: one gap only, not enough to charge it
+    assert live.gaps == {(32, 7): 0.4, (32, 15): 0.8}
+    table = live.seconds(gap=0.5)
+    assert table[1] == [1.5 + 0.5, 3.0 + 0.4, 3.1 + 0.8]
+    assert table[0] == [1.0 + 0.5, 2.0 + 0.5, 2.1 + 0.5]  # bucket 1 ran nothing: the mean gap
+    # The device-only table had K = 15 cheaper per drafted token; with the host time it costs
+    # 12% more a step than K = 7, which a τ-2 workload's extra drafts do not buy back.
+    assert table[1][2] / table[1][1] > 1.1
+    live.observe({(32, 15): (3.1 * n, n, 0.4 * n, n)})  # a later window: averaged
+    assert live.gaps[(32, 15)] == (1 - LiveCosts.ALPHA) * 0.8 + LiveCosts.ALPHA * 0.4
+
+
 def test_engine_refines_its_costs_from_its_own_decode_steps(trained):
     """After EVERY steps the engine hands the core a table refined by its own pure-decode
     steps: the cells it ran are measured, tagged (batch bucket, K) by the runner."""

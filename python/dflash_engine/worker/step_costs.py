@@ -45,13 +45,14 @@ class LiveCosts:
     """The startup table refined by the engine's own pure-decode steps. Every EVERY steps
     (`refresh`): a (batch bucket, K) cell whose steps ran at least MIN_STEPS times since it
     was last refined (StepTimer.take_by_tag) takes an exponential average of their mean busy
-    time; a cell that never ran is its startup value times its bucket's measured / startup
-    ratio over the cells of its kind, drafting or plain (the overall ratio of its kind where
-    the bucket ran none: the context and the machine's load move every K of a kind alike;
-    `seconds`); and the mean host time the device waited between steps over the
-    window (the timer's idle time: schedule, commit, outputs) is added to every cell (a
-    constant per step favours longer blocks: each step's fixed cost buys more tokens). So a
-    noisy startup probe is corrected by what the traffic itself costs."""
+    time, and of the mean host time the device waited before them (`gaps`: their staging and
+    the commit before them, which grow with K: on a small model, where the host is much of a
+    step, a device-only table made K = 15 look as cheap as K = 7); a cell that never ran is its
+    startup value times its bucket's measured / startup ratio over the cells of its kind,
+    drafting or plain (the overall ratio of its kind where the bucket ran none: the context and
+    the machine's load move every K of a kind alike; `seconds`), plus the window's mean host
+    time between steps (a constant per step favours longer blocks: each step's fixed cost buys
+    more tokens). So a noisy startup probe is corrected by what the traffic itself costs."""
 
     EVERY = 128
     ALPHA = 0.5
@@ -59,19 +60,26 @@ class LiveCosts:
 
     def __init__(self, startup: StepCosts):
         self.startup = startup
-        self.measured: dict[tuple[int, int], float] = {}
+        self.measured: dict[tuple[int, int], float] = {}  # busy seconds per step
+        self.gaps: dict[tuple[int, int], float] = {}  # host seconds the device waited before a step
         self.last = (0.0, 0)  # (idle seconds, steps) of the timer at the last refresh
 
-    def observe(self, by_tag: dict[tuple[int, int], tuple[float, int]]) -> None:
-        """Fold in measured (busy seconds, steps) per (bucket, K) cell."""
+    def _average(self, into: dict, tag, value: float) -> None:
+        old = into.get(tag)
+        into[tag] = value if old is None else (1 - self.ALPHA) * old + self.ALPHA * value
+
+    def observe(self, by_tag: dict[tuple[int, int], tuple]) -> None:
+        """Fold in measured (busy seconds, steps[, idle seconds, gaps]) per (bucket, K) cell."""
         s = self.startup
-        for tag, (sec, n) in by_tag.items():
+        for tag, (sec, n, *idle) in by_tag.items():
             if tag[0] in s.buckets and tag[1] in s.ks:
-                old = self.measured.get(tag)
-                self.measured[tag] = sec / n if old is None else (1 - self.ALPHA) * old + self.ALPHA * sec / n
+                self._average(self.measured, tag, sec / n)
+                if idle and idle[1] >= self.MIN_STEPS:
+                    self._average(self.gaps, tag, idle[0] / idle[1])
 
     def seconds(self, gap: float = 0.0) -> list[list[float]]:
-        """The table for the core: [bucket][k] seconds, plus `gap` (the host time per step).
+        """The table for the core: [bucket][k] seconds, plus the host time before such a step
+        (the cell's measured one, else `gap`: the window's mean).
         An unmeasured cell is scaled by the ratio of measured cells of its own kind: drafting
         cells by drafting cells, the plain (K = 0) cell by plain cells. What makes drafting
         steps cost more live than in the startup probe (the draft pass over a longer context,
@@ -86,7 +94,7 @@ class LiveCosts:
             for j, k in enumerate(s.ks):
                 kind = [(rb, v) for (rb, rk), v in ratio.items() if (rk > 0) == (k > 0)]
                 r = float(np.mean([v for rb, v in kind if rb == b] or [v for _, v in kind] or [1.0]))
-                row.append(self.measured.get((b, k), s.seconds[i][j] * r) + gap)
+                row.append(self.measured.get((b, k), s.seconds[i][j] * r) + self.gaps.get((b, k), gap))
             out.append(row)
         return out
 

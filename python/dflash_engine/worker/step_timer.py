@@ -36,7 +36,8 @@ class StepTimer:
         self._start = None  # begin mark of the step in flight
         self._tag = None  # the step in flight's (batch bucket, K), or None (step_costs.LiveCosts)
         self._pending: list[tuple] = []  # (gap start or None, begin, end, tag), oldest first
-        self.by_tag: dict[tuple[int, int], list] = {}  # tag -> [busy seconds, steps] (take_by_tag)
+        # tag -> [busy seconds, steps, idle seconds before those steps, gaps counted] (take_by_tag)
+        self.by_tag: dict[tuple[int, int], list] = {}
 
     def _mark(self):
         if not self.cuda:
@@ -77,20 +78,26 @@ class StepTimer:
                 break  # events complete in stream order: the later ones are not done either
             busy = self._seconds(start, end)
             self.busy_seconds += busy
+            gap = None if gap_start is None else self._seconds(gap_start, start)
+            if gap is not None:
+                self.idle_seconds += gap
             if tag is not None:
-                cell = self.by_tag.setdefault(tag, [0.0, 0])
+                cell = self.by_tag.setdefault(tag, [0.0, 0, 0.0, 0])
                 cell[0] += busy
                 cell[1] += 1
-            if gap_start is not None:
-                self.idle_seconds += self._seconds(gap_start, start)
+                if gap is not None:  # the host work before the step: its staging and the last commit
+                    cell[2] += gap
+                    cell[3] += 1
             self.steps += 1
             done += 1
         del self._pending[:done]
 
-    def take_by_tag(self, min_steps: int = 1) -> dict[tuple[int, int], tuple[float, int]]:
-        """(busy seconds, steps) of each tag with at least `min_steps` steps since it was
-        last taken; those are cleared, the others keep adding up."""
-        out = {tag: (sec, n) for tag, (sec, n) in self.by_tag.items() if n >= min_steps}
+    def take_by_tag(self, min_steps: int = 1) -> dict[tuple[int, int], tuple[float, int, float, int]]:
+        """(busy seconds, steps, idle seconds before them, gaps counted) of each tag with at
+        least `min_steps` steps since it was last taken; those are cleared, the others keep
+        adding up. A step's gap is the host time the device waited for it (its own staging,
+        the previous step's commit): host work that grows with the step's K."""
+        out = {tag: tuple(cell) for tag, cell in self.by_tag.items() if cell[1] >= min_steps}
         for tag in out:
             del self.by_tag[tag]
         return out
