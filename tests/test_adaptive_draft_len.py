@@ -107,9 +107,9 @@ def test_metrics_export_the_choices(trained, reference):
               for line in text.splitlines() if line.startswith("dflash:draft_length_chosen_total")}
     assert set(chosen) == {"0", "1", "3"} and chosen["3"] > 0, chosen
 
-    def by_k(name):
+    def by_k(name, suffix="_total"):
         return {line.split('k="')[1].split('"')[0]: float(line.split()[-1])
-                for line in text.splitlines() if line.startswith(name + "_total")}
+                for line in text.splitlines() if line.startswith(name + suffix + "{")}
     # Per K: the request-steps that drafted K and their accepted drafts add up to the totals.
     st = llm.stats()
     drafts = by_k("dflash:spec_decode_num_drafts_by_draft_length")
@@ -119,6 +119,11 @@ def test_metrics_export_the_choices(trained, reference):
     assert sum(accepted.values()) == st.spec_num_accepted_tokens
     assert sum(int(k) * n for k, n in drafts.items()) == st.spec_num_draft_tokens
     assert all(accepted[k] <= int(k) * drafts[k] for k in drafts)
+    # The calibration of each drafting candidate: a positive factor, 1 where nothing was drafted.
+    calibration = by_k("dflash:draft_length_calibration", "")
+    assert set(calibration) == {"1", "3"} and all(f > 0 for f in calibration.values()), calibration
+    assert calibration == {str(k): f for k, f in st.spec_draft_len_calibration.items()}
+    assert all(f == 1.0 for k, f in calibration.items() if k not in drafts)
 
 
 def test_live_costs_refine_the_startup_table_by_what_steps_cost():

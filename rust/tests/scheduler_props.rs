@@ -120,12 +120,17 @@ struct DraftLenRef {
     requests: HashMap<u64, Counts>,
     /// K of every planned step with decoding requests.
     chosen: Vec<usize>,
+    /// Per k: decayed (predicted accepted drafts, accepted drafts) of the steps that drafted k.
+    calibration: Vec<(f64, f64)>,
+    /// Committed steps with decode entries since the last that drafted.
+    plain_since: i32,
 }
 
 impl DraftLenRef {
     fn new(k: usize) -> Self {
         let global = (vec![0.0; k], vec![0.0; k]);
-        DraftLenRef { k, costs: None, skew: false, global, requests: HashMap::new(), chosen: Vec::new() }
+        DraftLenRef { k, costs: None, skew: false, global, requests: HashMap::new(), chosen: Vec::new(),
+                      calibration: vec![(0.0, 0.0); k + 1], plain_since: 0 }
     }
 
     fn observe(c: &mut Counts, decay: f64, num_drafts: usize, accepted: usize) {
@@ -144,14 +149,42 @@ impl DraftLenRef {
             return;
         }
         let k = self.k;
+        // Calibration (a step that drafted ages every k's sums): per k drafted, what the
+        // estimates (not yet taught by this step) predicted its requests with a history would
+        // accept, and what they accepted.
         if results.iter().any(|&(_, d, _)| d > 0) {
-            self.global.0.iter_mut().chain(self.global.1.iter_mut()).for_each(|x| *x *= draft_len::GLOBAL_DECAY);
+            let decay = draft_len::CALIBRATION_DECAY;
+            self.calibration.iter_mut().for_each(|c| *c = (c.0 * decay, c.1 * decay));
+            for &(h, d, a) in results.iter().filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h)) {
+                let predicted = Self::drafts(&self.request_estimates(h), d);
+                let c = &mut self.calibration[d];
+                *c = (c.0 + predicted, c.1 + a as f64);
+            }
+        }
+        // Global counts age per step with decoding requests; a plain step's aging waits for
+        // the next step that drafts.
+        if results.iter().any(|&(_, d, _)| d > 0) {
+            let age = draft_len::GLOBAL_DECAY.powi(1 + self.plain_since);
+            self.global.0.iter_mut().chain(self.global.1.iter_mut()).for_each(|x| *x *= age);
+            self.plain_since = 0;
+        } else {
+            self.plain_since += 1;
         }
         for &(h, d, a) in results {
             Self::observe(&mut self.global, 1.0, d, a);
             let own = self.requests.entry(h).or_insert_with(|| (vec![0.0; k], vec![0.0; k]));
             Self::observe(own, draft_len::REQUEST_DECAY, d, a);
         }
+    }
+
+    /// Expected accepted drafts of a block of k under estimates p.
+    fn drafts(p: &[f64], k: usize) -> f64 {
+        (1..=k).map(|j| p[..j].iter().product::<f64>()).sum()
+    }
+
+    fn factor(&self, k: usize) -> f64 {
+        let (p, a) = self.calibration[k];
+        (a + draft_len::CALIBRATION_PRIOR) / (p + draft_len::CALIBRATION_PRIOR)
     }
 
     fn global_estimates(&self) -> Vec<f64> {
@@ -190,14 +223,9 @@ impl DraftLenRef {
         }
         let row = &secs[buckets.iter().position(|&b| b >= decoding.len()).unwrap_or(buckets.len() - 1)];
         let rate = |k: usize| {
-            let tokens: f64 = decoding
-                .iter()
-                .map(|&h| {
-                    let p = self.request_estimates(h);
-                    1.0 + (1..=k).map(|j| p[..j].iter().product::<f64>()).sum::<f64>()
-                })
-                .sum();
-            tokens / row[k]
+            // n + f_k · Σ_i E_i[drafts accepted | k]
+            let drafts: f64 = decoding.iter().map(|&h| Self::drafts(&self.request_estimates(h), k)).sum();
+            (decoding.len() as f64 + self.factor(k) * drafts) / row[k]
         };
         let best = candidates.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
         let set: Vec<usize> = candidates.iter().copied().filter(|&k| rate(k) >= best * (1.0 - 1e-9)).collect();

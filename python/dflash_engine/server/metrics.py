@@ -103,6 +103,14 @@ class _EngineStatsCollector:
             for k, n in sorted(counts.items()):
                 fam.add_metric([self.model_name, str(k)], float(n))
             yield fam
+        calibration = GaugeMetricFamily(
+            "dflash:draft_length_calibration",
+            "Adaptive draft length: accepted over predicted drafts of the steps that drafted K (1 = exact).",
+            labels=["model_name", "k"],
+        )
+        for k, f in sorted(s.spec_draft_len_calibration.items()):
+            calibration.add_metric([self.model_name, str(k)], f)
+        yield calibration
         paths = CounterMetricFamily(
             "dflash:steps_by_path",
             "Engine steps launched, by path: decode_graph, mixed_graph (CUDA graphs of padded shapes) or eager.",
