@@ -43,8 +43,9 @@
 //! would accept (Σ_i E_i[tokens | K] - 1) and those they did accept, over the requests that have
 //! a history of their own (a request's first step is predicted from the global estimates or the
 //! prior alone: how wrong that is says nothing about K); every K's sums decay by
-//! [`CALIBRATION_DECAY`] per committed step that drafted, so that the factor of a K that stopped
-//! being chosen returns to 1 and the K gets tried again; the choice scales K's predicted drafts
+//! [`CALIBRATION_DECAY`] per committed step (aged like the global counts), so that the factor of
+//! a K that stopped being chosen, or that was learned on other traffic, returns to 1 and the K
+//! gets tried again; the choice scales K's predicted drafts
 //! by `f_K = (accepted + C) / (predicted + C)` (C = [`CALIBRATION_PRIOR`]):
 //! `E[step tokens | K] = n + f_K · Σ_i (E_i[tokens | K] - 1)`.
 //!
@@ -94,8 +95,8 @@ pub const PROBE_EVERY: u64 = 32;
 /// it loses at most that step's expected gain from drafting.
 pub const PLAIN_AFTER: u64 = 128;
 pub const PROBE_WITHIN: f64 = 0.9;
-/// Every K's calibration sums decay by this factor once per committed step that drafted
-/// (half-life ~69 such steps).
+/// Every K's calibration sums decay by this factor once per committed step with decoding
+/// requests (a plain stretch's aging applied at the next drafting step; half-life ~69 steps).
 pub const CALIBRATION_DECAY: f64 = 0.99;
 /// C: pseudo-drafts at ratio 1 in a calibration factor (a K with few observations keeps ~1).
 pub const CALIBRATION_PRIOR: f64 = 32.0;
@@ -439,7 +440,9 @@ impl DraftLen {
                 .filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h))
                 .map(|&(h, d, a)| (d, self.expected_tokens_with(&g, h)[d] - 1.0, a))
                 .collect();
-            self.calibration.iter_mut().for_each(|c| *c = (c.0 * CALIBRATION_DECAY, c.1 * CALIBRATION_DECAY));
+            // (aged like the global counts: per step, a plain stretch's at the next drafting step)
+            let age = CALIBRATION_DECAY.powi(1 + self.plain_since);
+            self.calibration.iter_mut().for_each(|c| *c = (c.0 * age, c.1 * age));
             for (d, predicted, accepted) in seen {
                 let c = &mut self.calibration[d];
                 *c = (c.0 + predicted, c.1 + accepted as f64);

@@ -153,7 +153,7 @@ impl DraftLenRef {
         // estimates (not yet taught by this step) predicted its requests with a history would
         // accept, and what they accepted.
         if results.iter().any(|&(_, d, _)| d > 0) {
-            let decay = draft_len::CALIBRATION_DECAY;
+            let decay = draft_len::CALIBRATION_DECAY.powi(1 + self.plain_since);
             self.calibration.iter_mut().for_each(|c| *c = (c.0 * decay, c.1 * decay));
             for &(h, d, a) in results.iter().filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h)) {
                 let predicted = Self::drafts(&self.request_estimates(h), d);
