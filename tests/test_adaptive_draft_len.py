@@ -36,7 +36,8 @@ def adaptive(trained, max_num_seqs: int, draft_cost: float | None = None) -> LLM
               speculative_config={"method": "dflash", "model": str(trained.draft)})
     c = llm.engine.runner.step_costs
     assert c is not None and c.ks == [0, 1, 3] and all(s > 0 for row in c.seconds for s in row)
-    if draft_cost is not None:
+    if draft_cost is not None:  # (and no live refinement, which would replace the table with measured costs)
+        llm.engine._live_costs = None
         llm.engine.scheduler.set_step_costs(c.buckets, c.ks, [[1.0] + [draft_cost] * (len(c.ks) - 1)
                                                               for _ in c.buckets])
     return llm

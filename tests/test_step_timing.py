@@ -169,6 +169,8 @@ def test_tagged_steps_add_up_per_tag(monkeypatch):
     # (busy, steps, idle before them, gaps): the first step of a run has no gap; the gap
     # before a tagged step (3.5 -> 10.0, 10.25 -> 20.0) counts in its tag.
     assert t.take_by_tag(min_steps=2) == {(1, 3): (1.25, 2, 6.5, 1)}  # (4, 0) has one step: it stays
-    assert t.take_by_tag() == {(4, 0): (1.0, 1, 9.75, 1)}
+    # A tag outside `measured` (its first measurement) needs one step; one inside, min_steps.
+    assert t.take_by_tag(min_steps=2, measured={(4, 0)}) == {}
+    assert t.take_by_tag(min_steps=2, measured={(1, 3)}) == {(4, 0): (1.0, 1, 9.75, 1)}
     assert t.take_by_tag() == {}
     assert t.totals()[0] == 1.0 + 0.5 + 0.25 + 1.0

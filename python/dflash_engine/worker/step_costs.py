@@ -44,7 +44,8 @@ class StepCosts:
 class LiveCosts:
     """The startup table refined by the engine's own pure-decode steps. Every EVERY steps
     (`refresh`): a (batch bucket, K) cell whose steps ran at least MIN_STEPS times since it
-    was last refined (StepTimer.take_by_tag) takes an exponential average of their mean busy
+    was last refined (once, for a cell never measured: StepTimer.take_by_tag) takes an
+    exponential average of their mean busy
     time, and of the mean host time the device waited before them (`gaps`: their staging and
     the commit before them, which grow with K: on a small model, where the host is much of a
     step, a device-only table made K = 15 look as cheap as K = 7); a cell that never ran is its
@@ -54,7 +55,11 @@ class LiveCosts:
     time between steps (a constant per step favours longer blocks: each step's fixed cost buys
     more tokens). So a noisy startup probe is corrected by what the traffic itself costs."""
 
-    EVERY = 128
+    # Every 32 steps, and a cell's first measurement from one step: a (bucket, K) cell that
+    # only the runner-up probe visits (one step in 32) replaces its startup estimate at the
+    # next refresh. With 128 / 4 (before), a CPU engine at batch 32 ran ~130 plain steps of a
+    # HumanEval burst on a startup estimate of K = 3 that was 25% high (docs/perf.md, issue 20).
+    EVERY = 32
     ALPHA = 0.5
     MIN_STEPS = 4
 
@@ -105,7 +110,7 @@ class LiveCosts:
             return None
         gap = (idle - self.last[0]) / (steps - self.last[1])
         self.last = (idle, steps)
-        self.observe(timer.take_by_tag(self.MIN_STEPS))
+        self.observe(timer.take_by_tag(self.MIN_STEPS, measured=self.measured))
         return self.seconds(gap)
 
 

@@ -92,12 +92,15 @@ class StepTimer:
             done += 1
         del self._pending[:done]
 
-    def take_by_tag(self, min_steps: int = 1) -> dict[tuple[int, int], tuple[float, int, float, int]]:
+    def take_by_tag(self, min_steps: int = 1, measured=None) -> dict[tuple[int, int], tuple[float, int, float, int]]:
         """(busy seconds, steps, idle seconds before them, gaps counted) of each tag with at
-        least `min_steps` steps since it was last taken; those are cleared, the others keep
+        least `min_steps` steps since it was last taken (with `measured` given: a tag not in
+        it, measured for the first time, needs one); those are cleared, the others keep
         adding up. A step's gap is the host time the device waited for it (its own staging,
         the previous step's commit): host work that grows with the step's K."""
-        out = {tag: tuple(cell) for tag, cell in self.by_tag.items() if cell[1] >= min_steps}
+        def ready(tag, steps):
+            return steps >= min_steps or (measured is not None and tag not in measured)
+        out = {tag: tuple(cell) for tag, cell in self.by_tag.items() if ready(tag, cell[1])}
         for tag in out:
             del self.by_tag[tag]
         return out
