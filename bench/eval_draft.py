@@ -213,7 +213,7 @@ def cell_row(e: dict, before, c: int, name: str, outs: list) -> dict:
     row["tokens_per_request_step_by_k"] = {
         k: round(1 + (st.spec_accepted_by_len[k] - before.spec_accepted_by_len.get(k, 0)) / n, 3)
         for k in st.spec_drafts_by_len if (n := st.spec_drafts_by_len[k] - before.spec_drafts_by_len.get(k, 0))}
-    row["calibration"] = {k: round(f, 3) for k, f in st.spec_draft_len_calibration.items()}
+    row["calibration"] = [round(f, 3) for f in st.spec_acceptance_calibration]  # per draft position
     live = getattr(e["llm"].engine, "_live_costs", None)
     if live is not None:  # the adaptive policy's measured step costs (ms) per (batch bucket, K)
         row["live_costs_ms"] = {f"{b},{k}": round(v * 1e3, 3) for (b, k), v in sorted(live.measured.items())}

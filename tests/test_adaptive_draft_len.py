@@ -120,11 +120,14 @@ def test_metrics_export_the_choices(trained, reference):
     assert sum(accepted.values()) == st.spec_num_accepted_tokens
     assert sum(int(k) * n for k, n in drafts.items()) == st.spec_num_draft_tokens
     assert all(accepted[k] <= int(k) * drafts[k] for k in drafts)
-    # The calibration of each drafting candidate: a positive factor, 1 where nothing was drafted.
-    calibration = by_k("dflash:draft_length_calibration", "")
-    assert set(calibration) == {"1", "3"} and all(f > 0 for f in calibration.values()), calibration
-    assert calibration == {str(k): f for k, f in st.spec_draft_len_calibration.items()}
-    assert all(f == 1.0 for k, f in calibration.items() if k not in drafts)
+    # The calibration of each draft position (0-based label, as the per-position counters):
+    # positive, 1 where nothing was proposed.
+    calibration = {line.split('position="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("dflash:spec_decode_acceptance_calibration{")}
+    assert calibration == {str(j): f for j, f in enumerate(st.spec_acceptance_calibration)}, calibration
+    assert len(calibration) == 3 and all(f > 0 for f in calibration.values()), calibration
+    if "1" in drafts and "3" not in drafts:
+        assert calibration["1"] == calibration["2"] == 1.0  # positions 2, 3 never proposed
 
 
 def test_live_costs_refine_the_startup_table_by_what_steps_cost():

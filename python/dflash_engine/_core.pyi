@@ -141,8 +141,8 @@ class Scheduler:
         (ascending) drafting ks[j] (ascending; 0 = plain decode); ValueError if malformed."""
     def draft_len_counts(self) -> dict[int, int]:
         """Planned steps with decoding requests, by the k they drafted (every choosable k)."""
-    def draft_len_calibration(self) -> dict[int, float]:
-        """Per k > 0: accepted over predicted drafts of the steps that drafted k (decayed)."""
+    def acceptance_calibration(self) -> list[float]:
+        """c_1..c_K: per draft position, observed over predicted acceptances (decayed)."""
     def acceptance_estimates(self) -> list[float]:
         """Global p_1..p_K: P(draft j accepted | drafts 1..j-1 were), decayed."""
     def next_draft_len(self) -> int: ...

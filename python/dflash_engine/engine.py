@@ -52,8 +52,9 @@ class EngineStats:
     # tokens per request-step at K are 1 + accepted / drafted: does a longer block pay?).
     spec_drafts_by_len: dict[int, int] = field(default_factory=dict)
     spec_accepted_by_len: dict[int, int] = field(default_factory=dict)
-    # Per K > 0 of the adaptive policy: accepted over predicted drafts (its calibration, 1 = exact).
-    spec_draft_len_calibration: dict[int, float] = field(default_factory=dict)
+    # The adaptive policy's calibration per draft position 1..K: observed over predicted
+    # acceptances through it (1 = its estimates are right; what it scales them by).
+    spec_acceptance_calibration: list[float] = field(default_factory=list)
     # Prefix cache, in tokens: looked up at admission, and of those served from the cache.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -487,8 +488,8 @@ class LLMEngine:
             spec_accepted_per_pos=list(s.spec_accepted_per_pos),
             spec_drafts_by_len=dict(s.spec_drafts_by_len), spec_accepted_by_len=dict(s.spec_accepted_by_len),
             spec_draft_len_counts=self.scheduler.draft_len_counts() if self.num_speculative_tokens else {},
-            spec_draft_len_calibration=(self.scheduler.draft_len_calibration()
-                                        if self.scheduler.draft_len_policy == "adaptive" else {}),
+            spec_acceptance_calibration=(self.scheduler.acceptance_calibration()
+                                         if self.scheduler.draft_len_policy == "adaptive" else []),
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             step_busy_seconds=busy, step_idle_seconds=idle, num_steps=steps,

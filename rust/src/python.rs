@@ -493,11 +493,11 @@ impl PyScheduler {
         self.inner.draft_len().counts().into_iter().collect()
     }
 
-    /// `{k: f_k}` for every k > 0 the policy can choose: accepted over predicted drafts of the
-    /// committed steps that drafted k (draft_len.rs, "Calibration"; 1 before any).
-    fn draft_len_calibration(&self) -> std::collections::BTreeMap<usize, f64> {
+    /// c_1..c_K: per draft position, observed over predicted acceptances through it
+    /// (draft_len.rs, "Calibration"; 1 before any; what the adaptive policy scales by).
+    fn acceptance_calibration(&self) -> Vec<f64> {
         let dl = self.inner.draft_len();
-        dl.counts().into_iter().filter(|&(k, _)| k > 0).map(|(k, _)| (k, dl.calibration(k))).collect()
+        (1..=self.inner.config().num_speculative_tokens).map(|j| dl.calibration(j)).collect()
     }
 
     /// Global acceptance estimates p_1..p_K: P(draft j accepted | drafts 1..j-1 were).

@@ -120,7 +120,7 @@ struct DraftLenRef {
     requests: HashMap<u64, Counts>,
     /// K of every planned step with decoding requests.
     chosen: Vec<usize>,
-    /// Per k: decayed (predicted accepted drafts, accepted drafts) of the steps that drafted k.
+    /// Per position j (index j - 1): decayed (predicted, observed) acceptances through j.
     calibration: Vec<(f64, f64)>,
     /// Committed steps with decode entries since the last that drafted.
     plain_since: i32,
@@ -130,7 +130,7 @@ impl DraftLenRef {
     fn new(k: usize) -> Self {
         let global = (vec![0.0; k], vec![0.0; k]);
         DraftLenRef { k, costs: None, skew: false, global, requests: HashMap::new(), chosen: Vec::new(),
-                      calibration: vec![(0.0, 0.0); k + 1], plain_since: 0 }
+                      calibration: vec![(0.0, 0.0); k], plain_since: 0 }
     }
 
     fn observe(c: &mut Counts, decay: f64, num_drafts: usize, accepted: usize) {
@@ -149,16 +149,19 @@ impl DraftLenRef {
             return;
         }
         let k = self.k;
-        // Calibration (a step that drafted ages every k's sums): per k drafted, what the
-        // estimates (not yet taught by this step) predicted its requests with a history would
-        // accept, and what they accepted.
+        // Calibration (a step that drafted ages every position's sums): per position j, the
+        // probability the estimates (not yet taught by this step) gave each request with a
+        // history of accepting through j, and whether it did.
         if results.iter().any(|&(_, d, _)| d > 0) {
             let decay = draft_len::CALIBRATION_DECAY.powi(1 + self.plain_since);
             self.calibration.iter_mut().for_each(|c| *c = (c.0 * decay, c.1 * decay));
             for &(h, d, a) in results.iter().filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h)) {
-                let predicted = Self::drafts(&self.request_estimates(h), d);
-                let c = &mut self.calibration[d];
-                *c = (c.0 + predicted, c.1 + a as f64);
+                let p = self.request_estimates(h);
+                for j in 0..d {
+                    let reach: f64 = p[..=j].iter().product();
+                    let c = &mut self.calibration[j];
+                    *c = (c.0 + reach, c.1 + (a > j) as u8 as f64);
+                }
             }
         }
         // Global counts age per step with decoding requests; a plain step's aging waits for
@@ -177,13 +180,14 @@ impl DraftLenRef {
         }
     }
 
-    /// Expected accepted drafts of a block of k under estimates p.
-    fn drafts(p: &[f64], k: usize) -> f64 {
-        (1..=k).map(|j| p[..j].iter().product::<f64>()).sum()
+    /// Expected accepted drafts of a block of k under estimates p, each position's term scaled
+    /// by its calibration factor.
+    fn drafts(&self, p: &[f64], k: usize) -> f64 {
+        (1..=k).map(|j| self.factor(j) * p[..j].iter().product::<f64>()).sum()
     }
 
-    fn factor(&self, k: usize) -> f64 {
-        let (p, a) = self.calibration[k];
+    fn factor(&self, j: usize) -> f64 {
+        let (p, a) = self.calibration[j - 1];
         (a + draft_len::CALIBRATION_PRIOR) / (p + draft_len::CALIBRATION_PRIOR)
     }
 
@@ -223,9 +227,9 @@ impl DraftLenRef {
         }
         let row = &secs[buckets.iter().position(|&b| b >= decoding.len()).unwrap_or(buckets.len() - 1)];
         let rate = |k: usize| {
-            // n + f_k · Σ_i E_i[drafts accepted | k]
-            let drafts: f64 = decoding.iter().map(|&h| Self::drafts(&self.request_estimates(h), k)).sum();
-            (decoding.len() as f64 + self.factor(k) * drafts) / row[k]
+            // n + Σ_i Σ_{j≤k} c_j · Π_{m≤j} p_i,m
+            let drafts: f64 = decoding.iter().map(|&h| self.drafts(&self.request_estimates(h), k)).sum();
+            (decoding.len() as f64 + drafts) / row[k]
         };
         let best = candidates.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
         let set: Vec<usize> = candidates.iter().copied().filter(|&k| rate(k) >= best * (1.0 - 1e-9)).collect();

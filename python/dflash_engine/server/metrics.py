@@ -104,12 +104,12 @@ class _EngineStatsCollector:
                 fam.add_metric([self.model_name, str(k)], float(n))
             yield fam
         calibration = GaugeMetricFamily(
-            "dflash:draft_length_calibration",
-            "Adaptive draft length: accepted over predicted drafts of the steps that drafted K (1 = exact).",
-            labels=["model_name", "k"],
+            "dflash:spec_decode_acceptance_calibration",
+            "Adaptive draft length: observed over predicted acceptances through each draft position (1 = exact).",
+            labels=["model_name", "position"],
         )
-        for k, f in sorted(s.spec_draft_len_calibration.items()):
-            calibration.add_metric([self.model_name, str(k)], f)
+        for pos, f in enumerate(s.spec_acceptance_calibration):
+            calibration.add_metric([self.model_name, str(pos)], f)
         yield calibration
         paths = CounterMetricFamily(
             "dflash:steps_by_path",
