@@ -150,12 +150,15 @@ def _shutdown(ranks: _Ranks, stop_w) -> None:
         stop_w.send(None)  # the watchdog returns
     except Exception:  # noqa: BLE001
         pass
-    if ranks.failure is None and ranks.groups is not None and not ranks.dead():
+    clean = ranks.failure is None and ranks.groups is not None and not ranks.dead()
+    if clean:
         try:
             send_stop(ranks.groups.control, -1)
         except Exception:  # noqa: BLE001  (a worker gone meanwhile: it is killed below)
-            pass
+            clean = False
     ranks.stop_workers(_JOIN_SECONDS)
+    if clean:  # (after a failure a group's thread may sit in a collective: left to exit)
+        ranks.groups.shutdown()
 
 
 class DriverRank(TPRank):

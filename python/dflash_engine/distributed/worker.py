@@ -57,6 +57,7 @@ def serve_steps(rc: RuntimeConfig, rank: int, size: int, store, local_rank: int 
     while (step := receive_step(groups.control, seq)) is not None:
         runner.wait(runner.launch(step.plan, step.st, step.all_greedy))
         seq += 1
+    groups.shutdown()  # STOP: every rank is done with the groups
 
 
 def report_error(store, rank: int, e: BaseException) -> None:
