@@ -372,11 +372,47 @@ def test_tp2_llama_replicated_kv_head_biases_and_sampling(llama_pair):
         assert p.exitcode == 0, "a garbage-collected engine stops its workers cleanly"
 
 
-def test_killed_worker_fails_the_engine_within_seconds(qwen3_dir):
+def spy_on_group_shutdown(monkeypatch) -> list:
+    """Record each Groups.shutdown of this (the driver's) process."""
+    from dflash_engine.distributed import groups as groups_module
+
+    calls, real = [], groups_module.Groups.shutdown
+
+    def shutdown(self):
+        calls.append(self)
+        real(self)
+
+    monkeypatch.setattr(groups_module.Groups, "shutdown", shutdown)
+    return calls
+
+
+def test_a_clean_stop_shuts_the_groups_down_once(qwen3_dir, monkeypatch):
+    """After STOP the driver stops its gloo groups' threads itself, not interpreter
+    finalization (which can abort a finished process: distributed/groups.py)."""
+    from dflash_engine.engine import LLMEngine
+
+    calls = spy_on_group_shutdown(monkeypatch)
+    engine = LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu", speculative_config=None,
+                                   tensor_parallel_size=TP, max_num_seqs=2)
+    try:
+        engine.add_request("0", [5, 17, 33], SamplingParams(temperature=0, max_tokens=3))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert calls == []
+    finally:
+        engine.close()
+        engine.close()  # idempotent
+    assert len(calls) == 1
+    assert not tp_children()
+
+
+def test_killed_worker_fails_the_engine_within_seconds(qwen3_dir, monkeypatch):
     from fastapi.testclient import TestClient
 
     from dflash_engine.engine import LLMEngine
     from dflash_engine.server import AsyncLLMEngine, build_app
+
+    calls = spy_on_group_shutdown(monkeypatch)
 
     engine = LLMEngine.from_kwargs(model=str(qwen3_dir), device="cpu", speculative_config=None,
                                    tensor_parallel_size=TP, max_num_seqs=4)
@@ -405,6 +441,7 @@ def test_killed_worker_fails_the_engine_within_seconds(qwen3_dir):
     finally:
         engine.close()
     assert not tp_children()
+    assert calls == [], "after a failure the groups are left alone (a thread may sit in a collective)"
 
 
 def _gone(pid: int) -> bool:
