@@ -21,8 +21,9 @@
 //! acceptance pays; aged at the next drafting step, the counts from before a long stretch of
 //! plain steps weigh little beside what that step measures, so an exploring step after the
 //! traffic changed, chat to code say, is heard: aged only per drafting step, a CPU engine that
-//! served chat stayed at K = 0 on HumanEval, 0.78x of K = 3), a request's own once per step of that request (so that a
-//! request that stopped drafting after a bad stretch returns to the global estimate). After
+//! served chat stayed at K = 0 on HumanEval, 0.69-0.78x of K = 3), a request's own once per
+//! step of that request (so that a request that stopped drafting after a bad stretch returns
+//! to the global estimate). After
 //! [`EXPLORE_AFTER`] plain steps in a row one step drafts: how the estimates learn that traffic
 //! changed while nothing was drafted. Every [`PROBE_EVERY`]-th step drafts the runner-up
 //! when it is within [`PROBE_WITHIN`] of the best: its measured cost refines the table. After
@@ -47,12 +48,12 @@
 //! choice scales each position's term by `c_j = (reached + C) / (predicted + C)`
 //! (C = [`CALIBRATION_PRIOR`]): `E[step tokens | K] = n + Σ_i Σ_{j≤K} c_j · r_i,j`. Per position,
 //! not per K: a factor per K also scaled the positions that K = 7 and K = 15 share, so it could
-//! turn a choice between them on positions 1..7 (replayed offline over HumanEval traces, it lost
-//! 10% at batch 1 where the per-position factor lost nothing).
+//! turn a choice between them on positions 1..7 (replayed offline over HumanEval and chat traces,
+//! bench/replay_draft_len.py, it lost 6% at batch 1 where the per-position factor lost nothing).
 //!
 //! Invariants (`check`, called by `Scheduler::check_invariants`): every count is finite,
-//! non-negative, accepts <= trials (calibration sums: finite, non-negative); per-request counts exist only for live requests (the
-//! scheduler forgets a request when it leaves); every estimate lies in [0, 1]. The choice is a
+//! non-negative, accepts <= trials (calibration sums: finite, non-negative); per-request counts
+//! exist only for live requests (the scheduler forgets a request when it leaves); every estimate lies in [0, 1]. The choice is a
 //! pure function of the history, the costs and the step's decoding requests (no RNG, no clock).
 
 use std::collections::HashMap;
