@@ -141,23 +141,23 @@ def test_live_costs_refine_the_startup_table_by_what_steps_cost():
     startup = StepCosts(buckets=[1, 4], ks=[0, 1, 3], seconds=[[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]])
     live = LiveCosts(startup)
     assert live.seconds() == startup.seconds and live.seconds(0.5)[0] == [1.5, 2.5, 3.5]
-    live.observe({(1, 3): (12.0, 4), (9, 0): (1.0, 9), (1, 2): (1.0, 9)})  # (9, *) / k=2: no cell
+    live.observe({(1, 3): (12.0, 4, 0.0, 0), (9, 0): (1.0, 9, 0.0, 0), (1, 2): (1.0, 9, 0.0, 0)})  # (9, *) / k=2: no cell
     assert live.measured == {(1, 3): 3.0}
     table = live.seconds()
     # Only K = 3 ran (at its startup cost): drafting cells keep ratio 1; the plain cell has
     # no measured plain cell to follow and keeps its startup value.
     assert table == [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]
-    live.observe({(1, 3): (4 * 6.0, 4)})  # drafting now runs 2x its startup cost (average 4.5: 1.5x)
+    live.observe({(1, 3): (4 * 6.0, 4, 0.0, 0)})  # drafting now runs 2x its startup cost (average 4.5: 1.5x)
     assert live.seconds()[0] == [1.0, 3.0, 4.5], "a plain step is not scaled by the drafting steps"
     live.measured[(1, 3)] = 3.0
-    live.observe({(1, 0): (5.0, 4)})
+    live.observe({(1, 0): (5.0, 4, 0.0, 0)})
     assert live.measured == {(1, 3): 3.0, (1, 0): 1.25}
     table = live.seconds()
     # Each unmeasured cell follows the measured cells of its kind: bucket 1's K = 1 the
     # drafting K = 3 (ratio 1); bucket 4 ran nothing: each kind's overall ratio.
     assert table[0] == [1.25, 2.0, 3.0]
     assert table[1] == [2.0 * 1.25, 4.0, 6.0]
-    live.observe({(1, 3): (20.0, 4)})  # a later window: averaged with the earlier mean
+    live.observe({(1, 3): (20.0, 4, 0.0, 0)})  # a later window: averaged with the earlier mean
     assert live.measured[(1, 3)] == (1 - LiveCosts.ALPHA) * 3.0 + LiveCosts.ALPHA * 5.0
 
 

@@ -45,10 +45,10 @@ class LiveCosts:
     """The startup table refined by the engine's own pure-decode steps. Every EVERY steps
     (`refresh`): a (batch bucket, K) cell whose steps ran at least MIN_STEPS times since it
     was last refined (once, for a cell never measured: StepTimer.take_by_tag) takes an
-    exponential average of their mean busy
-    time, and of the mean host time the device waited before them (`gaps`: their staging and
-    the commit before them, which grow with K: on a small model, where the host is much of a
-    step, a device-only table made K = 15 look as cheap as K = 7); a cell that never ran is its
+    exponential average of their mean busy time, and of the mean host time the device
+    waited before them (`gaps`: their staging and the commit before them, which grow with K:
+    on a small model, where the host is much of a step, a device-only table made K = 15 look
+    as cheap as K = 7); a cell that never ran is its
     startup value times its bucket's measured / startup ratio over the cells of its kind,
     drafting or plain (the overall ratio of its kind where the bucket ran none: the context and
     the machine's load move every K of a kind alike; `seconds`), plus the window's mean host
@@ -73,14 +73,15 @@ class LiveCosts:
         old = into.get(tag)
         into[tag] = value if old is None else (1 - self.ALPHA) * old + self.ALPHA * value
 
-    def observe(self, by_tag: dict[tuple[int, int], tuple]) -> None:
-        """Fold in measured (busy seconds, steps[, idle seconds, gaps]) per (bucket, K) cell."""
+    def observe(self, by_tag: dict[tuple[int, int], tuple[float, int, float, int]]) -> None:
+        """Fold in measured (busy seconds, steps, idle seconds before them, gaps) per (bucket,
+        K) cell (StepTimer.take_by_tag); a cell's gap needs MIN_STEPS gaps."""
         s = self.startup
-        for tag, (sec, n, *idle) in by_tag.items():
+        for tag, (sec, n, idle, gaps) in by_tag.items():
             if tag[0] in s.buckets and tag[1] in s.ks:
                 self._average(self.measured, tag, sec / n)
-                if idle and idle[1] >= self.MIN_STEPS:
-                    self._average(self.gaps, tag, idle[0] / idle[1])
+                if gaps >= self.MIN_STEPS:
+                    self._average(self.gaps, tag, idle / gaps)
 
     def seconds(self, gap: float = 0.0) -> list[list[float]]:
         """The table for the core: [bucket][k] seconds, plus the host time before such a step
