@@ -441,17 +441,24 @@ impl DraftLen {
     /// once more for every plain step since the last drafting one.
     pub(crate) fn observe_step(&mut self, results: impl IntoIterator<Item = (u64, usize, usize)>) {
         let results: Vec<(u64, usize, usize)> = results.into_iter().collect();
-        // Calibration first, from the estimates the step was chosen with (nothing was learned
-        // since: a step is committed before the next one is scheduled).
-        if results.iter().any(|&(_, d, _)| d > 0) {
+        if results.is_empty() {
+            return;
+        }
+        if !results.iter().any(|&(_, d, _)| d > 0) {
+            self.plain_since = self.plain_since.saturating_add(1); // aged at the next drafting step
+        } else {
+            // Calibration first, from the estimates the step was chosen with (nothing was
+            // learned since: a step is committed before the next one is scheduled).
             let g = self.global_estimates();
             let seen: Vec<(Vec<f64>, usize, usize)> = results
                 .iter()
                 .filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h))
                 .map(|&(h, d, a)| (self.request_estimates_with(&g, h), d, a))
                 .collect();
-            // (aged like the global counts: per step, a plain stretch's at the next drafting step)
-            let age = CALIBRATION_DECAY.powi(1 + self.plain_since);
+            // Calibration and global counts age alike: this step, and the plain ones since the last drafting one.
+            let steps = 1 + self.plain_since;
+            self.plain_since = 0;
+            let age = CALIBRATION_DECAY.powi(steps);
             self.calibration.iter_mut().for_each(|c| *c = (c.0 * age, c.1 * age));
             for (p, d, accepted) in seen {
                 let mut r = 1.0;
@@ -460,15 +467,7 @@ impl DraftLen {
                     *c = (c.0 + r, c.1 + (accepted > j) as u8 as f64);
                 }
             }
-        }
-        if results.is_empty() {
-            return;
-        }
-        if results.iter().any(|&(_, d, _)| d > 0) {
-            self.global.decay(GLOBAL_DECAY.powi(1 + self.plain_since));
-            self.plain_since = 0;
-        } else {
-            self.plain_since = self.plain_since.saturating_add(1);
+            self.global.decay(GLOBAL_DECAY.powi(steps));
         }
         for (h, num_drafts, accepted) in results {
             debug_assert!(accepted <= num_drafts && num_drafts <= self.k_max);
