@@ -201,7 +201,8 @@ def cell_row(e: dict, before, c: int, name: str, outs: list) -> dict:
     drafts = st.spec_num_drafts - before.spec_num_drafts
     accepted = st.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     rates = [p["tok_s"] for p in e["passes"]]
-    row = {"set": name, "c": c, "spec": e["spec"], "k": e["k"], "prompts": len(outs),
+    row = {"set": name, "c": c, "spec": e["spec"], "k": e["k"], "mixed_step_limit": e.get("mixed_step_limit"),
+           "prompts": len(outs),
            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
            "tok_s": sorted(rates)[len(rates) // 2], "passes": e["passes"],
            "tau": round(1 + accepted / drafts, 3) if drafts else None,
@@ -230,9 +231,15 @@ def run_seats(args, sets, info) -> list[dict]:
     if args.max_mixed_graph_tokens is not None:
         kw["max_mixed_graph_tokens"] = args.max_mixed_graph_tokens
     warm = ["Say hello."]
-    engines = [build(args.target, None, warm, args.seats, **kw)]
-    engines += [build(args.target, args.draft, warm, args.seats, **kw, draft_length=k)
-                for k in args.draft_lengths.split(",")]
+    engines = []
+    for k in [None] + args.draft_lengths.split(","):
+        twins = [False, True] if args.ab_mixed_step_limit else [False]
+        for lifted in twins:  # --ab-mixed-step-limit: each engine beside a twin with the core's limit lifted
+            e = build(args.target, args.draft if k else None, warm, args.seats, **kw, draft_length=k)
+            if lifted:
+                e["llm"].engine.scheduler.set_mixed_step_limit(0, 0)
+            e["mixed_step_limit"] = list(e["llm"].engine.scheduler.mixed_step_limit())
+            engines.append(e)
     tok = engines[0]["llm"].engine.tokenizer
     for e in engines:
         e.update(next_id=10**6, passes=[])
@@ -292,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                          "under drifting machine speed; on a GPU give --num-gpu-blocks so that they all fit)")
     ap.add_argument("--max-mixed-graph-tokens", type=int, default=None,
                     help="the engines' max_mixed_graph_tokens (default: the engine's; 0: mixed steps eager)")
+    ap.add_argument("--ab-mixed-step-limit", action="store_true",
+                    help="--seats: beside each engine a twin with the core's mixed-step limit lifted (A/B)")
     ap.add_argument("--seats", type=int, default=None,
                     help="build each engine once with this many seats (prefix caching off) and keep at most c "
                          "requests in flight per cell, passes alternating between engines")

@@ -164,13 +164,72 @@ def test_a_failed_mixed_capture_falls_back_to_eager_steps(qwen3_dir, random_draf
     monkeypatch.setattr(GraphRunner, "_capture_one", capture)
     for g in llm.engine.runner.graphs.values():
         g.enforce_eager = False
+    llm.engine.scheduler.set_mixed_step_limit(*llm.engine.runner.mixed_step_limit())
+    assert llm.engine.scheduler.mixed_step_limit() == (16, MIXED_REQUESTS)
     got = tokens(llm.generate(ps, params, use_tqdm=False))
     paths = llm.engine.runner.steps_by_path()
     assert paths["mixed_graph"] == 0 and paths["decode_graph"] > 0 and paths["eager"] >= 2, paths
+    assert llm.engine.scheduler.mixed_step_limit() == (0, 0), "no graph holds mixed steps now: limit lifted"
     assert all(g.mixed_tokens == 0 for g in llm.engine.runner.graphs.values())
     assert "mixed steps run eagerly from now on" in caplog.text
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
     assert got == tokens(LLM(**kw).generate(ps, params, use_tqdm=False))
+
+
+def eager_replay(self, bs, p, all_greedy):
+    """GraphRunner._capture_one on CPU: a "graph" that replays the padded step eagerly."""
+    self.graphs[(bs, p, all_greedy)] = SimpleNamespace(replay=lambda: self.step(bs, all_greedy, p))
+
+
+def test_the_mixed_step_limit_is_what_the_graphs_hold():
+    from dflash_engine.worker.model_runner import ModelRunner
+
+    def limit(*graphs):
+        return ModelRunner.mixed_step_limit(SimpleNamespace(graphs=dict(enumerate(graphs))))
+    assert limit(SimpleNamespace(mixed_tokens=512, enforce_eager=False),
+                 SimpleNamespace(mixed_tokens=512, enforce_eager=False)) == (512, MIXED_REQUESTS)
+    assert limit(SimpleNamespace(mixed_tokens=512, enforce_eager=True)) == (0, 0), "eager: no graphs to fit"
+    assert limit(SimpleNamespace(mixed_tokens=0, enforce_eager=False)) == (0, 0), "mixed graphs off"
+    assert limit() == (0, 0), "no graph runner (CPU)"
+
+
+@CPU_ONLY
+def test_the_mixed_step_limit_keeps_steps_with_arrivals_in_graphs(qwen3_dir, random_draft_dir, monkeypatch):
+    """With the core's mixed-step limit at what the graphs hold (16 prefill tokens here, under a
+    64-token step budget), a step with decoding requests never carries more prefill than a
+    mixed graph takes: none of them runs eagerly, where without the limit some do; the tokens
+    are the reference path's either way (a chunk that waits a step changes no output)."""
+    ps, params = arrivals(8, seed=5, most=10)
+    spec = {"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed",
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.9, 0.7, 0.5]}
+    kw = dict(model=str(qwen3_dir), device="cpu", max_num_seqs=3, max_num_batched_tokens=64,
+              max_mixed_graph_tokens=16, speculative_config=spec)
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
+    monkeypatch.setattr(GraphRunner, "_capture_one", eager_replay)
+    got, eager_with_decode = {}, {}
+    for limited in (False, True):
+        llm = LLM(**kw)
+        eng = llm.engine
+        assert eng.scheduler.mixed_step_limit() == (0, 0), "interpreter mode: eager graph runners"
+        for g in eng.runner.graphs.values():
+            g.enforce_eager = False
+        if limited:
+            eng.scheduler.set_mixed_step_limit(*eng.runner.mixed_step_limit())
+            assert eng.scheduler.mixed_step_limit() == (16, MIXED_REQUESTS)
+        launch, counts = eng.runner._launch_eager, []
+
+        def counting(plan, st, all_greedy, launch=launch, counts=counts):
+            counts.append(plan.num_decode > 0)
+            return launch(plan, st, all_greedy)
+        eng.runner._launch_eager = counting
+        got[limited] = tokens(llm.generate(ps, params, use_tqdm=False))
+        eager_with_decode[limited] = sum(counts)
+        assert eng.runner.steps_by_path()["mixed_graph"] > 0
+    assert eager_with_decode[False] > 0, "the unlimited run should meet a step over the graphs' 16 tokens"
+    assert eager_with_decode[True] == 0
+    monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
+    ref = tokens(LLM(**kw).generate(ps, params, use_tqdm=False))
+    assert got[False] == ref and got[True] == ref
 
 
 def test_max_mixed_graph_tokens_is_checked_and_reaches_the_engine():

@@ -130,8 +130,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="GPU: run decode steps without CUDA graphs (same tokens, slower)")
     parser.add_argument("--max-mixed-graph-tokens", type=_non_negative_int, default=None,
                         help="GPU: the most prefill tokens a step beside decode rows may carry and "
-                             "still replay a CUDA graph (captured at startup; default 512; 0: "
-                             "such steps run eagerly)")
+                             "still replay a CUDA graph (captured at startup; default 512): while requests decode, "
+                             "the scheduler holds a step's prefill to it; 0: no mixed graphs, such "
+                             "steps run eagerly with no limit on their prefill")
     add_batch_invariant_arg(parser)
     add_cpu_weights_arg(parser)
     add_tensor_parallel_arg(parser)

@@ -113,6 +113,9 @@ class LLMEngine:
             draft_block_rows=rc.draft_rows,
             state_slots=rc.hybrid,  # a hybrid target's recurrent-state slots: pages of the same pool
         )
+        # Steps with decoding requests carry no more prefill than a mixed graph holds.
+        self.scheduler.set_mixed_step_limit(*self.runner.mixed_step_limit())
+        self.runner.on_mixed_disabled = lambda: self.scheduler.set_mixed_step_limit(0, 0)
         # The adaptive policy's cost model: measured at startup, refined live (step_costs.LiveCosts).
         self._live_costs = None if self.runner.step_costs is None else step_costs.LiveCosts(self.runner.step_costs)
         if self.runner.step_costs is not None:

@@ -12,7 +12,7 @@ use crate::error::{CoreError, Param};
 use crate::plan::{StepPlan, StepTicket};
 use crate::request::FinishReason;
 use crate::draft_len::{draft_len_for, DraftLenPolicy, StepCosts};
-use crate::scheduler::{pages_per_seq, state_slots_per_seq, Scheduler, SchedulerConfig};
+use crate::scheduler::{pages_per_seq, state_slots_per_seq, MixedStepLimit, Scheduler, SchedulerConfig};
 
 mod exc {
     use pyo3::create_exception;
@@ -486,6 +486,18 @@ impl PyScheduler {
         let value_error = |e: CoreError| pyo3::exceptions::PyValueError::new_err(e.to_string());
         let costs = StepCosts::new(counts_vec(buckets, "buckets")?, counts_vec(ks, "ks")?, seconds).map_err(value_error)?;
         self.inner.set_step_costs(costs).map_err(value_error)
+    }
+
+    /// The prefill a step with decoding requests carries at most: `tokens` rows in at most
+    /// `requests` chunks (the runner's mixed-step graphs); 0 and 0 lift the limit.
+    fn set_mixed_step_limit(&mut self, tokens: usize, requests: usize) -> PyResult<()> {
+        let limit = (tokens > 0 || requests > 0).then_some(MixedStepLimit { tokens, requests });
+        self.inner.set_mixed_step_limit(limit).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+    }
+
+    /// (tokens, requests) of the mixed-step limit; (0, 0) when there is none.
+    fn mixed_step_limit(&self) -> (usize, usize) {
+        self.inner.mixed_step_limit().map_or((0, 0), |l| (l.tokens, l.requests))
     }
 
     /// `{k: planned steps with decoding requests that drafted k}`, every k the policy can choose.

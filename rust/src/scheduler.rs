@@ -226,6 +226,20 @@ pub struct Scheduler {
     prefix_cache_hits: u64,
     /// Each step's K, and the acceptance it learns from (per-request counts die in `remove`).
     draft_len: DraftLen,
+    /// The prefill a step with decoding requests may carry (`set_mixed_step_limit`).
+    mixed_limit: Option<MixedStepLimit>,
+}
+
+/// The prefill a step with decoding requests carries at most: what the runner's mixed-step
+/// CUDA graphs hold. A step past it runs eagerly, which on a small model costs ten decode
+/// steps, so the chunk waits a step instead (its prompt's first token comes a step later).
+/// A step with no decoding request is not limited (only `max_num_batched_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MixedStepLimit {
+    /// Prefill tokens (rows) in all, >= 1.
+    pub tokens: usize,
+    /// Prefill entries (chunks of distinct requests), >= 1.
+    pub requests: usize,
 }
 
 impl Scheduler {
@@ -248,6 +262,7 @@ impl Scheduler {
             prefix_cache_queries: 0,
             prefix_cache_hits: 0,
             draft_len,
+            mixed_limit: None,
         })
     }
 
@@ -267,6 +282,24 @@ impl Scheduler {
     /// Measured seconds of a decode step per (batch bucket, k), from the runner at startup.
     pub fn set_step_costs(&mut self, costs: StepCosts) -> CoreResult<()> {
         self.draft_len.set_step_costs(costs)
+    }
+
+    /// Limit the prefill of steps with decoding requests (`MixedStepLimit`), or lift it (None).
+    pub fn set_mixed_step_limit(&mut self, limit: Option<MixedStepLimit>) -> CoreResult<()> {
+        if let Some(l) = limit {
+            if l.tokens == 0 || l.requests == 0 {
+                return Err(CoreError::InvalidConfig(format!(
+                    "a mixed-step limit needs >= 1 token and >= 1 request, got {} and {}",
+                    l.tokens, l.requests
+                )));
+            }
+        }
+        self.mixed_limit = limit;
+        Ok(())
+    }
+
+    pub fn mixed_step_limit(&self) -> Option<MixedStepLimit> {
+        self.mixed_limit
     }
 
     /// K the next `schedule()` drafts, given the requests decoding now.
@@ -388,8 +421,15 @@ impl Scheduler {
             return Err(CoreError::PlanOutstanding { step_id: o.step_id });
         }
         // K from the requests decoding at the start of the step (schedule_only: that one alone).
-        let b = self.draft_len.choose(&self.decoding_among(only)) + 1;
+        let decoding = self.decoding_among(only);
+        let b = self.draft_len.choose(&decoding) + 1;
         let mut budget = self.cfg.max_num_batched_tokens;
+        // Prefill tokens and entries this step may still take: a step with decoding requests
+        // stays within the mixed-step limit (one a preemption empties of them stays too).
+        let (mut prefill_tokens, mut prefill_entries) = match self.mixed_limit {
+            Some(l) if !decoding.is_empty() => (l.tokens, l.requests),
+            _ => (usize::MAX, usize::MAX),
+        };
         let mut chosen: Vec<(u64, EntryKind)> = Vec::with_capacity(self.running.len() + 8);
         let mut preempted_any = false;
         let mut max_pages = 0;
@@ -404,8 +444,12 @@ impl Scheduler {
             let req = &self.requests[&h];
             let kind = match req.phase() {
                 Phase::Prefilling { computed } => {
+                    if prefill_entries == 0 {
+                        i += 1;
+                        continue;
+                    }
                     let (target, sample) = req.prefill_target();
-                    let len = (target - computed).min(budget);
+                    let len = (target - computed).min(budget).min(prefill_tokens);
                     EntryKind::Prefill { start: computed, len, sample: sample && computed + len == target }
                 }
                 Phase::Decoding => EntryKind::Decode { committed: req.num_computed() },
@@ -440,6 +484,10 @@ impl Scheduler {
                 }
             }
             if fits {
+                if let EntryKind::Prefill { len, .. } = kind {
+                    prefill_tokens -= len;
+                    prefill_entries -= 1;
+                }
                 chosen.push((h, kind));
                 budget -= rows;
                 i += 1;
@@ -447,13 +495,19 @@ impl Scheduler {
         }
 
         // FCFS admission (sharing cached prefix pages); none in a step that had to preempt.
-        while only.is_none() && !preempted_any && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        while only.is_none()
+            && !preempted_any
+            && budget > 0
+            && prefill_tokens > 0
+            && prefill_entries > 0
+            && self.running.len() < self.cfg.max_num_seqs
+        {
             let Some(&h) = self.waiting.front() else { break };
             let req = self.requests.get_mut(&h).expect("waiting request");
             let (target, sample) = req.prefill_target();
             let hits = if self.cfg.enable_prefix_caching { req.cache_lookup() } else { Vec::new() };
             let start = hits.len() * self.cfg.page_size;
-            let len = (target - start).min(budget);
+            let len = (target - start).min(budget).min(prefill_tokens);
             if !req.admit(&hits, self.pool.pages_for(start + len), self.cfg.prefill_state_slots()) {
                 break;
             }
@@ -466,6 +520,8 @@ impl Scheduler {
             self.running.push(h);
             chosen.push((h, EntryKind::Prefill { start, len, sample: sample && start + len == target }));
             budget -= len;
+            prefill_tokens -= len;
+            prefill_entries -= 1;
         }
 
         if chosen.is_empty() {

@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 
 use _core::{
-    draft_len, pages_per_seq, state_slots_per_seq, CoreError, DraftLenPolicy, EntryKind, FinishReason, Phase, Scheduler, SchedulerConfig,
+    draft_len, pages_per_seq, state_slots_per_seq, CoreError, DraftLenPolicy, EntryKind, FinishReason, MixedStepLimit, Phase, Scheduler, SchedulerConfig,
     StepCosts, StepPlan, StepTicket,
 };
 use proptest::prelude::*;
@@ -483,6 +483,13 @@ impl Harness {
             }
         }
         self.check_state_plan(&plan);
+        // Beside decoding requests, the prefill stays within the mixed-step limit.
+        if let (Some(l), true) = (self.s.mixed_step_limit(), plan.num_decode > 0) {
+            let prefill = &plan.entries[plan.num_decode..];
+            assert!(prefill.len() <= l.requests, "{} prefill chunks beside decoding, limit {}", prefill.len(), l.requests);
+            let rows: usize = prefill.iter().map(|e| e.num_rows()).sum();
+            assert!(rows <= l.tokens, "{rows} prefill rows beside decoding, limit {}", l.tokens);
+        }
         let mut rng = Rng(seed);
         let skew = self.dl.skew;
         let accepted: Vec<u32> = plan
@@ -726,7 +733,7 @@ fn run_policy(
     costs: Option<CostsAt>,
     skew: bool,
 ) -> Vec<usize> {
-    run_full(ops, num_pages, k, budget, weak_hash, policy, draft_block_rows, costs, skew, false)
+    run_full(ops, num_pages, k, budget, weak_hash, policy, draft_block_rows, costs, skew, false, None)
 }
 
 /// `run_policy` for a hybrid target too (`state_slots`: recurrent-state slots from the pool,
@@ -743,6 +750,7 @@ fn run_full(
     costs: Option<CostsAt>,
     skew: bool,
     state_slots: bool,
+    mixed: Option<MixedStepLimit>,
 ) -> Vec<usize> {
     let cfg = SchedulerConfig {
         num_pages,
@@ -757,7 +765,8 @@ fn run_full(
         draft_block_rows,
         state_slots,
     };
-    let s = Scheduler::new(cfg).unwrap();
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.set_mixed_step_limit(mixed).unwrap();
     if weak_hash {
         // Four hash values in all: nearly every lookup and publication meets a collision.
         s.pool().set_hash_fn(|_, parent, toks| (parent + toks.iter().map(|&t| t as u64).sum::<u64>()) % 4);
@@ -915,11 +924,26 @@ proptest! {
         let fixed = DraftLenPolicy::Fixed;
         // Fixed K = 3 (5 slots a decoding request), plain decode (2 slots), a longer draft
         // block, and the adaptive policy (B = 1 steps included).
-        run_full(ops.clone(), pages, 3, 24, false, fixed.clone(), 0, None, false, true);
-        run_full(ops.clone(), pages, 0, 5, false, fixed.clone(), 0, None, false, true);
-        run_full(ops.clone(), pages + 8, 3, 24, false, fixed, 8, None, false, true);
+        run_full(ops.clone(), pages, 3, 24, false, fixed.clone(), 0, None, false, true, None);
+        run_full(ops.clone(), pages, 0, 5, false, fixed.clone(), 0, None, false, true, None);
+        run_full(ops.clone(), pages + 8, 3, 24, false, fixed, 8, None, false, true, None);
         let adaptive = DraftLenPolicy::Adaptive { candidates };
-        run_full(ops, pages, 3, 24, false, adaptive, 0, Some(costs), true, true);
+        run_full(ops, pages, 3, 24, false, adaptive, 0, Some(costs), true, true, None);
+    }
+
+    #[test]
+    fn mixed_step_limit_under_page_pressure(
+        ops in prop::collection::vec(op(), 1..120),
+        pages in 8usize..40,
+        tokens in 1usize..12,
+        requests in 1usize..4,
+        (candidates, costs) in adaptive_case(3),
+    ) {
+        let limit = Some(MixedStepLimit { tokens, requests });
+        run_full(ops.clone(), pages, 3, 24, false, DraftLenPolicy::Fixed, 0, None, false, false, limit);
+        run_full(ops.clone(), pages, 0, 5, false, DraftLenPolicy::Fixed, 0, None, false, false, limit);
+        run_full(ops.clone(), pages + 8, 3, 24, false, DraftLenPolicy::Adaptive { candidates }, 8, Some(costs), true, false, limit);
+        run_full(ops, pages + 4, 3, 24, false, DraftLenPolicy::Fixed, 0, None, false, true, limit);
     }
 
     #[test]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +35,7 @@ from ..ops.dispatch import use_kernels
 from ..runtime_config import RuntimeConfig
 from . import step_costs
 from .deferred_context import DeferredContext
-from .graph_runner import GraphRunner, MixedCaptureFailed, batch_buckets, bucket_of
+from .graph_runner import MIXED_REQUESTS, GraphRunner, MixedCaptureFailed, batch_buckets, bucket_of
 from .in_flight import InFlight
 from .kv_cache import KVCache
 from .memory import MemoryReport, peak_bytes, size_kv_pool
@@ -92,6 +93,9 @@ class ModelRunner:
         # schedule or the adaptive policy). Mixed graphs: single-process dense targets.
         self.graphs: dict[int, GraphRunner] = {}
         self.eager_steps = 0
+        # Called once mixed steps stop replaying graphs (a capture failed): the engine lifts the
+        # core's mixed-step limit (mixed_step_limit) then.
+        self.on_mixed_disabled: Callable[[], None] | None = None
         mixed_tokens = 0 if tp is not None else min(rc.max_mixed_graph_tokens, rc.max_num_batched_tokens)
         if use_kernels(target.model.embed_tokens.weight):
             width = _core.pages_per_seq(rc.max_model_len, rc.reserve_rows, rc.page_size)
@@ -239,8 +243,21 @@ class ModelRunner:
             except MixedCaptureFailed:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # (what the failed capture left queued)
+                if self.on_mixed_disabled is not None:
+                    self.on_mixed_disabled()
         self.eager_steps += 1
         return self._launch_eager(plan, st, all_greedy)
+
+    def mixed_step_limit(self) -> tuple[int, int]:
+        """(prefill tokens, prefill requests) a step with decoding requests may carry and still
+        replay a mixed graph; (0, 0) when mixed steps run eagerly anyway (CPU, enforce_eager, TP,
+        hybrid targets, --max-mixed-graph-tokens 0). The engine hands it to the core's scheduler
+        (`set_mixed_step_limit`): a chunk past it waits a step rather than send the whole step
+        down the eager path (on a small model an eager step costs about ten graph steps)."""
+        live = [g for g in self.graphs.values() if g.mixed_tokens and not g.enforce_eager]
+        if not live:
+            return 0, 0
+        return min(g.mixed_tokens for g in live), MIXED_REQUESTS
 
     def steps_by_path(self) -> dict[str, int]:
         """Steps launched so far: "decode_graph", "mixed_graph" (a graph runner's steps; eager

@@ -836,3 +836,38 @@ fn hybrid_admission_counts_state_slots_and_refuses_prefix_caching() {
     let mut s = Scheduler::new(hybrid_cfg(10, 3)).unwrap(); // 9 usable: 4 + 5
     assert!(s.add_request("a", vec![1; 8], 4, vec![]).is_ok());
 }
+
+#[test]
+fn mixed_step_limit_caps_prefill_beside_decoding_only() {
+    let mut s = sched(64, 3);
+    s.set_mixed_step_limit(Some(MixedStepLimit { tokens: 6, requests: 2 })).unwrap();
+    // No request decodes yet: the first step is not limited (budget 64).
+    let a = s.add_request("a", (1..=10).collect(), 20, vec![]).unwrap();
+    let (t, p) = step(&mut s);
+    assert_eq!(p.entries[0].kind, EntryKind::Prefill { start: 0, len: 10, sample: true });
+    commit(&mut s, t, &[0], &[7]);
+    // Three arrivals beside a decoding request: 6 prefill tokens in at most 2 chunks.
+    for (i, id) in ["b", "c", "d"].into_iter().enumerate() {
+        let base = 100 * (i as u32 + 1);
+        s.add_request(id, (base..base + 5).collect(), 5, vec![]).unwrap();
+    }
+    let (t, p) = step(&mut s);
+    assert_eq!(p.num_decode, 1);
+    assert_eq!(p.entries[0].handle, a);
+    let kinds: Vec<EntryKind> = p.entries[1..].iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, vec![EntryKind::Prefill { start: 0, len: 5, sample: true }, EntryKind::Prefill { start: 0, len: 1, sample: false }]);
+    let sampled: Vec<u32> = p.sample_rows.iter().map(|_| 8).collect();
+    commit(&mut s, t, &[0, 0, 0], &sampled);
+    // Next step: c's remaining 4 tokens, then d's first 2 (6 in all, 2 chunks).
+    let (t, p) = step(&mut s);
+    let kinds: Vec<EntryKind> = p.entries[p.num_decode..].iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, vec![EntryKind::Prefill { start: 1, len: 4, sample: true }, EntryKind::Prefill { start: 0, len: 2, sample: false }]);
+    s.cancel(t).unwrap();
+    // Lifted: the whole remainder in one step.
+    s.set_mixed_step_limit(None).unwrap();
+    let (_, p) = step(&mut s);
+    let rows: usize = p.entries[p.num_decode..].iter().map(|e| e.num_rows()).sum();
+    assert_eq!(rows, 4 + 5);
+    assert!(s.set_mixed_step_limit(Some(MixedStepLimit { tokens: 0, requests: 1 })).is_err());
+    assert!(s.set_mixed_step_limit(Some(MixedStepLimit { tokens: 4, requests: 0 })).is_err());
+}
