@@ -1,0 +1,162 @@
+"""Skinny GEMM (Triton): x [M, K] @ weight.T for few rows (M <= 64), the decode and
+small-batch verify shape, where the step is a stream of weight bytes (issue 22, item 1).
+
+Twin: `torch.nn.functional.linear` (cuBLAS on the GPU).
+
+At small M a GEMM's cost is reading the weight once: Qwen3-8B's projections are 32-192 MB
+of bf16 per layer, and the output is a few rows. Two choices decide how close to the copy
+bandwidth a kernel gets:
+- enough programs in flight on every SM: N / BLOCK_N output tiles alone are too few for the
+  4096-wide outputs (64 tiles of 64 columns for 132 SMs), so the K dimension is split
+  (`split_k` programs per output tile, each walking K / split_k) and the float32 partials
+  summed by a second launch, in ascending split order;
+- the weight as the MMA's wide operand (`swap_ab`): acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T,
+  so that the tensor-core instruction's M dimension (64 rows on Hopper's wgmma) is filled
+  with weight rows and the few activation rows sit in its narrow N dimension, instead of
+  padding x's rows up to the instruction's M.
+
+Every configuration is a function of (N, K) and the M bucket only: a row's bits do not
+depend on what other rows share the call within one bucket. `bench/bench_skinny_gemm.py`
+sweeps the configurations against cuBLAS on the device; the engine does not route any
+Linear through this kernel until that table says it wins (docs/perf.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["SkinnyConfig", "skinny_matmul", "MAX_ROWS"]
+
+MAX_ROWS = 64  # the kernel's M: one tile of rows (BLOCK_M >= M)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1  # programs per output tile along K (1: no partials, one launch)
+    swap_ab: bool = True
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def label(self) -> str:
+        return (f"n{self.block_n}k{self.block_k}s{self.split_k}{'T' if self.swap_ab else 'N'}"
+                f"w{self.num_warps}p{self.num_stages}")
+
+
+@triton.jit(do_not_specialize=["M", "k_per_split"])
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_s * k_per_split  # a multiple of BLOCK_K
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :] * stride_wk
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + offs_k) < k_hi
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        # Partials [split, BLOCK_M, N] in float32; the reduce adds them in split order.
+        part = part_ptr + pid_s.to(tl.int64) * BLOCK_M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _reduce_kernel(
+    part_ptr, b_ptr, out_ptr, M, N, stride_om, stride_on,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * BLOCK_M + row).to(tl.int64) * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _block_m(m: int) -> int:
+    return max(16, triton.next_power_of_2(m))
+
+
+def skinny_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: SkinnyConfig | None = None,
+                  out: Tensor | None = None) -> Tensor:
+    """x ``[M, K]`` (M <= MAX_ROWS) @ weight.T (weight ``[N, K]``, nn.Linear's layout) (+ bias)
+    -> ``[M, N]`` in x's dtype, float32 accumulation. `cfg` (default SkinnyConfig()) picks the
+    tiles and the split of K. Capturable: the grid and the partial buffer depend on shapes only."""
+    cfg = cfg or SkinnyConfig()
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x dtype {x.dtype} != weight dtype {weight.dtype}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {m}")
+    if cfg.split_k < 1 or cfg.block_k < 16 or cfg.block_n < 16:
+        raise ValueError(f"bad config {cfg}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.zero_()
+        return out if bias is None else out.add_(bias)
+    block_m = _block_m(m)
+    # Each split walks a whole number of BLOCK_K steps; trailing splits may be empty (they
+    # write zero partials, which the reduce adds like any other).
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = cfg.split_k > 1
+    part = torch.empty((cfg.split_k, block_m, n), dtype=torch.float32, device=x.device) if split else out
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        x, weight, bias if bias is not None else weight, out, part,
+        m, n, k, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, SPLIT=split, SWAP_AB=cfg.swap_ab,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        block = 1024
+        _reduce_kernel[(triton.cdiv(n, block), m)](
+            part, bias if bias is not None else part, out, m, n, out.stride(0), out.stride(1),
+            SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK=block,
+        )
+    return out
