@@ -1,8 +1,8 @@
 """What a plain step costs a speculative engine on the CPU (issue 20, chat at c = 1).
 
-    python bench/plain_step_ab.py [--prompts 24] [--max-tokens 128] [--rounds 3]
+    python bench/plain_step_ab.py [--prompts 24] [--max-tokens 128] [--rounds 3] [--concurrency 1]
 
-Engines over the same chat prompts at c = 1 (embedded SmolLM2, shipped draft, fast mode),
+Engines over the same chat prompts at c = --concurrency (embedded SmolLM2, shipped draft, fast mode),
 built first, then their passes interleaved round by round (the machine's drift hits all):
   off           speculation off;
   adaptive      the default policy (its live cost table is printed at the end);
@@ -30,13 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     args = ap.parse_args(argv)
     import eval_draft
 
     prompts = list(eval_draft.CHAT_PROMPTS)[:args.prompts]
     engines = {}
     for name in ("off", "adaptive", "plain", "plain-write", "plain-none"):
-        e = eval_draft.build(None, None if name == "off" else DRAFT, prompts, 1, max_tokens=args.max_tokens,
+        e = eval_draft.build(None, None if name == "off" else DRAFT, prompts, args.concurrency, max_tokens=args.max_tokens,
                              device="cpu", batch_invariant=False, max_model_len=2048, gpu_memory_utilization=0.5,
                              draft_length=None if name == "off" else "adaptive")
         runner = e["llm"].engine.runner
