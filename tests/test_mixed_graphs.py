@@ -172,6 +172,7 @@ def test_a_failed_mixed_capture_falls_back_to_eager_steps(qwen3_dir, random_draf
     assert llm.engine.scheduler.mixed_step_limit() == (0, 0), "no graph holds mixed steps now: limit lifted"
     assert all(g.mixed_tokens == 0 for g in llm.engine.runner.graphs.values())
     assert "mixed steps run eagerly from now on" in caplog.text
+    assert "the mixed-step limit is lifted" in caplog.text
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
     assert got == tokens(LLM(**kw).generate(ps, params, use_tqdm=False))
 

@@ -114,8 +114,12 @@ class LLMEngine:
             state_slots=rc.hybrid,  # a hybrid target's recurrent-state slots: pages of the same pool
         )
         # Steps with decoding requests carry no more prefill than a mixed graph holds.
-        self.scheduler.set_mixed_step_limit(*self.runner.mixed_step_limit())
-        self.runner.on_mixed_disabled = lambda: self.scheduler.set_mixed_step_limit(0, 0)
+        mixed_tokens, mixed_requests = self.runner.mixed_step_limit()
+        self.scheduler.set_mixed_step_limit(mixed_tokens, mixed_requests)
+        self.runner.on_mixed_disabled = self._lift_mixed_step_limit
+        if mixed_tokens:
+            logger.info("mixed-step limit: while requests decode, a step takes at most %d prefill tokens "
+                        "of %d requests (what its CUDA graphs hold)", mixed_tokens, mixed_requests)
         # The adaptive policy's cost model: measured at startup, refined live (step_costs.LiveCosts).
         self._live_costs = None if self.runner.step_costs is None else step_costs.LiveCosts(self.runner.step_costs)
         if self.runner.step_costs is not None:
@@ -185,6 +189,12 @@ class LLMEngine:
         return self.runner.memory.max_concurrency
 
     # ---- requests ---------------------------------------------------------------
+    def _lift_mixed_step_limit(self) -> None:
+        """The runner lost its mixed-step graphs (a capture failed): steps with decoding requests
+        run eagerly anyway, so their prefill goes back to the full token budget."""
+        self.scheduler.set_mixed_step_limit(0, 0)
+        logger.warning("mixed-step graphs disabled: the mixed-step limit is lifted")
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
         final_only: bool = False,
