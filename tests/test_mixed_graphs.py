@@ -147,6 +147,11 @@ def test_mixed_steps_through_the_graph_shapes_equal_the_reference(qwen3_dir, ran
 
 
 @CPU_ONLY
+def eager_replay(self, bs, p, all_greedy):
+    """GraphRunner._capture_one on CPU: a "graph" that replays the padded step eagerly."""
+    self.graphs[(bs, p, all_greedy)] = SimpleNamespace(replay=lambda: self.step(bs, all_greedy, p))
+
+
 def test_a_failed_mixed_capture_falls_back_to_eager_steps(qwen3_dir, random_draft_dir, monkeypatch, caplog):
     """A mixed graph's first-use capture that raises (out of memory, say) costs no request:
     that step and every later mixed step run eagerly, and the tokens are the reference's."""
@@ -156,7 +161,7 @@ def test_a_failed_mixed_capture_falls_back_to_eager_steps(qwen3_dir, random_draf
     def capture(self, bs, p, all_greedy):  # decode "graphs" replay eagerly; mixed ones fail
         if p:
             raise RuntimeError("capture refused")
-        self.graphs[(bs, p, all_greedy)] = SimpleNamespace(replay=lambda: self.step(bs, all_greedy, 0))
+        eager_replay(self, bs, p, all_greedy)
 
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
     kw = dict(model=str(qwen3_dir), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, speculative_config=spec)
@@ -175,11 +180,6 @@ def test_a_failed_mixed_capture_falls_back_to_eager_steps(qwen3_dir, random_draf
     assert "the mixed-step limit is lifted" in caplog.text
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "0")
     assert got == tokens(LLM(**kw).generate(ps, params, use_tqdm=False))
-
-
-def eager_replay(self, bs, p, all_greedy):
-    """GraphRunner._capture_one on CPU: a "graph" that replays the padded step eagerly."""
-    self.graphs[(bs, p, all_greedy)] = SimpleNamespace(replay=lambda: self.step(bs, all_greedy, p))
 
 
 def test_the_mixed_step_limit_is_what_the_graphs_hold():

@@ -1,5 +1,7 @@
-"""Skinny GEMM (Triton): x [M, K] @ weight.T for few rows (M <= 64), the decode and
-small-batch verify shape, where the step is a stream of weight bytes (issue 22, item 1).
+"""Skinny GEMM (Triton), an experiment beside its benchmark: x [M, K] @ weight.T for few rows
+(M <= 64), the decode and small-batch verify shape, where the step is a stream of weight bytes
+(issue 22, item 1). It lost to cuBLAS at every Qwen3-8B shape on an H100 (docs/perf.md "The
+skinny GEMM"), so it lives here, not in the engine's kernels/, until a version of it wins.
 
 Twin: `torch.nn.functional.linear` (cuBLAS on the GPU).
 
@@ -17,8 +19,7 @@ bandwidth a kernel gets:
 
 Every configuration is a function of (N, K) and the M bucket only: a row's bits do not
 depend on what other rows share the call within one bucket. `bench/bench_skinny_gemm.py`
-sweeps the configurations against cuBLAS on the device; the engine does not route any
-Linear through this kernel until that table says it wins (docs/perf.md).
+sweeps the configurations against cuBLAS on the device.
 """
 from __future__ import annotations
 
