@@ -58,6 +58,9 @@ def _phase_graph(dg, bs: int, phase: str):
     """A callable that runs one phase of the decode step (captured when on a GPU)."""
 
     def run():
+        if phase == "step":
+            dg.step(bs, True)
+            return
         x = dg._inputs(bs, 0)
         if phase == "draft":
             step.draft_pass(dg.models, x)
@@ -76,6 +79,26 @@ def _phase_graph(dg, bs: int, phase: str):
         with torch.cuda.graph(g, pool=dg.pool):
             run()
     return g.replay
+
+
+def _ab_step(attr: str, dg, bs: int, device: torch.device, steps: int) -> dict:
+    """The whole step's graph captured with module attribute `attr` ("pkg.module.NAME") True and
+    False, timed in alternation (two rounds; the faster median of each): a switch's effect
+    on the same engine, bucket and contexts. -> {"ab_on_ms", "ab_off_ms"}."""
+    import importlib
+
+    module_name, name = attr.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    was = getattr(module, name)
+    best = {True: float("inf"), False: float("inf")}
+    try:
+        for _ in range(2):
+            for value in (True, False):
+                setattr(module, name, value)
+                best[value] = min(best[value], _timer(device, _phase_graph(dg, bs, "step"), steps))
+    finally:
+        setattr(module, name, was)
+    return {"ab_on_ms": best[True], "ab_off_ms": best[False]}
 
 
 def _prefill(engine: LLMEngine, c: int, context: int, rng: np.random.Generator, max_tokens: int) -> None:
@@ -132,6 +155,8 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
             row["verify_ms"] = _timer(device, _phase_graph(dg, bs, "verify"), args.steps)
             row["draft_ms"] = _timer(device, _phase_graph(dg, bs, "draft"), args.steps) if spec else 0.0
             row["rest_ms"] = row["step_ms"] - row["verify_ms"] - row["draft_ms"]
+            if args.ab:
+                row.update(_ab_step(args.ab, dg, bs, device, args.steps))
         fl = ceilings.step_floor(target_cfg, draft_cfg, batch_size=c, context_len=args.context, rows_per_request=b,
                                  draft_pass=spec is not None, copy_gbs=copy_gbs, gemm_tflops=tflops)
         row.update(floor_ms=fl.floor_ms, floor_bound=fl.bound)
@@ -159,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="ranks (tensor parallelism: eager steps, no graph-step timing)")
     ap.add_argument("--modes", default="off,on")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR",
+                    help="also time the step graph with this boolean module attribute True and False "
+                         "(e.g. dflash_engine.kernels.attention.FUSED_COMBINE)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     copy_gbs = ceilings.copy_bandwidth_gbs(device)
@@ -176,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['mode']} | {r['c']} | {s:.2f} | {r.get('draft_ms', 0):.2f} | {r.get('verify_ms', 0):.2f} | "
               f"{r.get('rest_ms', 0):.2f} | {r['floor_ms']:.2f} ({r['floor_bound']}) | {s / r['floor_ms']:.2f}x | "
               f"{r['engine_step_ms']:.2f} |")
+    if args.ab:
+        print(f"\n| mode | c | step ms, {args.ab} = True | = False | True / False |")
+        print("|---|---:|---:|---:|---:|")
+        for r in rows:
+            if "ab_on_ms" in r:
+                print(f"| {r['mode']} | {r['c']} | {r['ab_on_ms']:.3f} | {r['ab_off_ms']:.3f} | "
+                      f"{r['ab_on_ms'] / r['ab_off_ms']:.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"copy_gbs": copy_gbs, "gemm_tflops": tflops, "rows": rows}, indent=1))
     return 0

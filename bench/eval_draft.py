@@ -191,7 +191,11 @@ def capped_pass(e: dict, ids: list[list[int]], c: int) -> list:
     steps = max(1, st.num_steps - before.num_steps)
     e["passes"].append({"tok_s": round(sum(len(o.outputs[0].token_ids) for o in outs) / dt, 1),
                         "busy_ms": round(1e3 * (st.step_busy_seconds - before.step_busy_seconds) / steps, 3),
-                        "idle_ms": round(1e3 * (st.step_idle_seconds - before.step_idle_seconds) / steps, 3)})
+                        "idle_ms": round(1e3 * (st.step_idle_seconds - before.step_idle_seconds) / steps, 3),
+                        # the host's side of the gaps, ms per gap by phase (worker/host_path.py)
+                        "host_ms": {k: round(1e3 * (v - before.step_host_seconds.get(k, 0.0))
+                                             / max(1, st.step_host_gaps - before.step_host_gaps), 4)
+                                    for k, v in st.step_host_seconds.items()}})
     return outs
 
 

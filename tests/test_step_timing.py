@@ -14,7 +14,8 @@ from dflash_engine import LLM, SamplingParams, bench_serve
 from dflash_engine.cli_args import add_bench_args
 from dflash_engine.engine import EngineStats
 from dflash_engine.server.metrics import ServerMetrics
-from dflash_engine.worker import step_timer
+from dflash_engine.worker import host_path, step_timer
+from dflash_engine.worker.host_path import PHASES, HostPath
 from dflash_engine.worker.step_timer import StepTimer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -24,6 +25,7 @@ class FakeClock:
     def __init__(self, monkeypatch):
         self.now = 0.0
         monkeypatch.setattr(step_timer.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(host_path.time, "perf_counter", lambda: self.now)
 
     def at(self, t: float) -> FakeClock:
         self.now = t
@@ -66,6 +68,52 @@ def test_timer_arithmetic(monkeypatch):
     assert totals(t) == (6.25, 2.75, 6)
 
 
+def test_host_path_counts_only_open_gaps_by_phase(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    h = HostPath()
+    h.mark("commit")  # no gap open: nothing counts
+    clock.at(1)
+    h.start()
+    clock.at(1.5)
+    h.mark("commit")
+    clock.at(1.75)
+    h.mark("schedule")
+    clock.at(2)
+    h.finish()  # the rest is staging
+    assert h.totals() == {**dict.fromkeys(PHASES, 0.0), "commit": 0.5, "schedule": 0.25, "stage": 0.25}
+    assert h.gaps == 1
+    clock.at(5)
+    h.mark("schedule")  # closed: nothing until the next start
+    h.finish()
+    assert h.gaps == 1 and h.totals()["schedule"] == 0.25
+    h.start()
+    clock.at(9)
+    h.cancel()  # the engine went idle: the open gap is dropped
+    h.finish()
+    assert h.gaps == 1 and sum(h.totals().values()) == 1.0
+
+
+def test_step_timer_closes_the_host_gap_at_the_first_launch_and_drops_it_on_pause(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    t = StepTimer(torch.device("cpu"))
+    t.begin()
+    clock.at(1)
+    t.end()
+    t.host.start()  # results back (the runner's wait)
+    clock.at(1.25)
+    t.host.mark("commit")
+    clock.at(2)
+    t.begin()  # the next step's first launch: 0.75 s of staging
+    clock.at(3)
+    t.end()
+    assert t.host.gaps == 1 and t.host.totals()["stage"] == 0.75 and totals(t)[1] == 1.0
+    t.host.start()
+    t.pause()  # nothing to run
+    clock.at(10)
+    t.begin()
+    assert t.host.gaps == 1 and sum(t.host.totals().values()) == 1.0
+
+
 def prompts(n: int) -> list[dict]:
     return [{"prompt_token_ids": list(range(3 + i, 20 + i))} for i in range(n)]
 
@@ -98,6 +146,13 @@ def test_engine_counts_busy_steps_and_idle_only_while_there_is_work(qwen3_dir, r
     assert s1.step_idle_seconds >= 0.02 * (s1.num_steps - 1)
     assert s1.step_idle_seconds < 0.02 * (s1.num_steps - 1) + 0.5
 
+    # The host's side of the gaps: the sleep is in the launch's first part ("sampling_arrays":
+    # the fault hook runs before the sampling arrays); the phases add up to at most the idle.
+    host = s1.step_host_seconds
+    assert set(host) == set(PHASES) and 0 < s1.step_host_gaps <= s1.num_steps - 1
+    assert host["sampling_arrays"] >= 0.02 * s1.step_host_gaps
+    assert sum(host.values()) <= s1.step_idle_seconds + 1e-6
+
     # An empty engine is not an idle device: nothing of the pause counts.
     llm.engine.fault_injector = None
     time.sleep(0.4)
@@ -122,19 +177,25 @@ def test_an_abort_that_empties_the_engine_stops_the_idle_clock(qwen3_dir):
 
 
 def test_metrics_expose_the_step_counters_and_bench_parses_them():
-    stats = EngineStats(step_busy_seconds=1.5, step_idle_seconds=0.5, num_steps=40)
+    stats = EngineStats(step_busy_seconds=1.5, step_idle_seconds=0.5, num_steps=40,
+                        step_host_seconds={"commit": 0.1, "stage": 0.2}, step_host_gaps=39)
     text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'dflash:step_host_seconds_total{model_name="m",phase="stage"} 0.2' in text
+    assert 'dflash:step_host_gaps_total{model_name="m"} 39.0' in text
     assert 'dflash:step_device_busy_seconds_total{model_name="m"} 1.5' in text
     assert 'dflash:step_device_idle_seconds_total{model_name="m"} 0.5' in text
     assert 'dflash:steps_total{model_name="m"} 40.0' in text
     before = bench_serve._parse_counters(text)
-    stats = EngineStats(step_busy_seconds=3.5, step_idle_seconds=1.0, num_steps=60)
+    stats = EngineStats(step_busy_seconds=3.5, step_idle_seconds=1.0, num_steps=60,
+                        step_host_seconds={"commit": 0.12, "stage": 0.3}, step_host_gaps=59)
     after = bench_serve._parse_counters(ServerMetrics("m", lambda: stats).render().decode())
     idle = bench_serve._step_idle(before, after)
     # 20 steps: 100 ms busy and 25 ms idle each; idle is 20% of step time.
     assert idle["steps"] == 20
     assert idle["busy_ms_per_step"] == pytest.approx(100.0) and idle["idle_ms_per_step"] == pytest.approx(25.0)
     assert idle["idle_pct"] == pytest.approx(20.0)
+    # 20 gaps: 1 ms of commit and 5 ms of staging each.
+    assert idle["host_ms_per_gap"] == pytest.approx({"commit": 1.0, "stage": 5.0})
     # No step in the rung, or a server without the counters (vLLM): no numbers, not zeros.
     assert bench_serve._step_idle(after, after)["idle_ms_per_step"] is None
     other = {k: v for k, v in after.items() if not k.startswith("dflash:")}

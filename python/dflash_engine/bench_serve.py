@@ -38,6 +38,8 @@ _SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
 _STEP_BUSY = "dflash:step_device_busy_seconds"
 _STEP_IDLE = "dflash:step_device_idle_seconds"
 _STEPS = "dflash:steps"
+_HOST = "dflash:step_host_seconds"  # by phase (worker/host_path.py)
+_HOST_GAPS = "dflash:step_host_gaps"
 
 
 @dataclass
@@ -194,8 +196,11 @@ def _parse_counters(text: str) -> dict[str, float]:
     totals = {_SPEC_ACCEPTED: 0.0, _SPEC_DRAFTS: 0.0, "synthetic": 0.0}
     for family in text_string_to_metric_families(text):
         samples = [s for s in family.samples if s.name.endswith("_total")]
-        if family.name in (_STEP_BUSY, _STEP_IDLE, _STEPS):
+        if family.name in (_STEP_BUSY, _STEP_IDLE, _STEPS, _HOST_GAPS):
             totals[family.name] = sum(s.value for s in samples)
+        elif family.name == _HOST:  # by phase: "dflash:step_host_seconds:<phase>"
+            for s in samples:
+                totals[f"{_HOST}:{s.labels.get('phase', '')}"] = s.value
         elif family.name in totals:
             totals[family.name] += sum(s.value for s in samples)
             if any(s.labels.get("acceptance") == "synthetic" for s in samples):
@@ -220,8 +225,14 @@ def _step_idle(before: dict[str, float] | None, after: dict[str, float] | None) 
     busy, idle, steps = (after[k] - before[k] for k in keys)
     if steps <= 0:
         return none
-    return {"steps": int(steps), "idle_ms_per_step": 1000.0 * idle / steps, "busy_ms_per_step": 1000.0 * busy / steps,
-            "idle_pct": 100.0 * idle / (busy + idle) if busy + idle > 0 else None}
+    out = {"steps": int(steps), "idle_ms_per_step": 1000.0 * idle / steps, "busy_ms_per_step": 1000.0 * busy / steps,
+           "idle_pct": 100.0 * idle / (busy + idle) if busy + idle > 0 else None}
+    # The host's side of the gaps, by phase (ms per gap): where the idle time goes.
+    gaps = after.get(_HOST_GAPS, 0.0) - before.get(_HOST_GAPS, 0.0)
+    phases = [k for k in after if k.startswith(_HOST + ":")]
+    if gaps > 0 and phases:
+        out["host_ms_per_gap"] = {k.split(":", 2)[2]: 1000.0 * (after[k] - before.get(k, 0.0)) / gaps for k in phases}
+    return out
 
 
 def _p99(xs: list[float]) -> float:
@@ -403,6 +414,11 @@ def _print_table(result: dict) -> None:
     print(TABLE_HEADER)
     for r in result["rungs"]:
         print(_rung_line(r))
+    for r in result["rungs"]:  # where each rung's idle time went on the host (host_path.py)
+        if r.get("host_ms_per_gap"):
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in r["host_ms_per_gap"].items())
+            print(f"c={r['concurrency']}: host ms per gap between steps: {parts} "
+                  f"(total {sum(r['host_ms_per_gap'].values()):.3f} of {r['idle_ms_per_step']:.3f} idle)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -63,6 +63,9 @@ class EngineStats:
     step_busy_seconds: float = 0.0
     step_idle_seconds: float = 0.0
     num_steps: int = 0
+    # The host's side of the idle gaps, by phase (worker/host_path.py), and the gaps counted.
+    step_host_seconds: dict[str, float] = field(default_factory=dict)
+    step_host_gaps: int = 0
     # Steps launched, by how: "decode_graph", "mixed_graph" (the graph runner's padded shapes)
     # and "eager" (the plan's own shapes: CPU fast mode, prefill-only and oversized mixed steps).
     steps_by_path: dict[str, int] = field(default_factory=dict)
@@ -256,7 +259,10 @@ class LLMEngine:
     def _step_overlapped(self) -> list[RequestOutput]:
         """Schedule and launch step N+1, build step N's outputs while the device runs it,
         then wait for N+1 and commit it (its outputs come with the next step)."""
+        host = self.runner.step_timer.host  # the host's part of the gap between steps (host_path.py)
+        host.mark("between_steps")
         plan = self.scheduler.schedule()  # from the committed state: the previous step is in it
+        host.mark("schedule")
         if plan is None:
             self.runner.step_timer.pause()  # nothing to run: the wait until the next step is not idle time
             return self._take_outputs()
@@ -273,11 +279,15 @@ class LLMEngine:
             self._pending = self._land(plan, flight)
         except Exception as e:  # noqa: BLE001
             return outputs + self._take_outputs() + self._recover(plan, e)
+        host.mark("return")
         return outputs
 
     def _step_sync(self) -> list[RequestOutput]:
         """Schedule, launch, wait, commit, then build this step's outputs."""
+        host = self.runner.step_timer.host
+        host.mark("between_steps")
         plan = self.scheduler.schedule()
+        host.mark("schedule")
         if plan is None:
             self.runner.step_timer.pause()
             return self._take_outputs()
@@ -285,12 +295,16 @@ class LLMEngine:
             self._pending = self._land(plan, self._launch(plan))
         except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
             return self._take_outputs() + self._recover(plan, e)
-        return self._take_outputs()
+        outputs = self._take_outputs()
+        host.mark("return")
+        return outputs
 
     def _launch(self, plan):
         if self.fault_injector is not None:
             self.fault_injector.step([self._requests[int(h)] for h in plan.handles])
-        return self.runner.launch(plan, *self._sampling_arrays(plan))
+        st, all_greedy = self._sampling_arrays(plan)
+        self.runner.step_timer.host.mark("sampling_arrays")
+        return self.runner.launch(plan, st, all_greedy)
 
     def _land(self, plan, flight):
         """Wait for a launched step and commit it; returns the core's CommitResult."""
@@ -299,6 +313,7 @@ class LLMEngine:
             c = self._live_costs.startup
             self.scheduler.set_step_costs(c.buckets, c.ks, table)
         result = self.scheduler.commit(plan, accepted, sampled)
+        self.runner.step_timer.host.mark("commit")
         # Counted with the outputs (_take_outputs: off the critical path when overlapped).
         self._spec_backlog.append((plan.num_drafts, accepted))
         return result
@@ -506,6 +521,7 @@ class LLMEngine:
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             step_busy_seconds=busy, step_idle_seconds=idle, num_steps=steps,
+            step_host_seconds=self.runner.step_timer.host.totals(), step_host_gaps=self.runner.step_timer.host.gaps,
             steps_by_path=self.runner.steps_by_path(),
         )
 

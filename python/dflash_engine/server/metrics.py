@@ -49,6 +49,8 @@ _COUNTERS = [
     ("dflash:step_device_idle_seconds", "step_idle_seconds",
      "Device time between consecutive engine steps while requests were running or waiting."),
     ("dflash:steps", "num_steps", "Engine steps timed."),
+    ("dflash:step_host_gaps", "step_host_gaps",
+     "Gaps between steps whose host time is in dflash:step_host_seconds."),
 ]
 _GAUGES = [
     ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
@@ -119,6 +121,15 @@ class _EngineStatsCollector:
         for path, n in sorted(s.steps_by_path.items()):
             paths.add_metric([self.model_name, path], float(n))
         yield paths
+        host = CounterMetricFamily(
+            "dflash:step_host_seconds",
+            "Host time on the critical path between steps (results back -> next first launch), by phase "
+            "(worker/host_path.py); the rest of the device idle time is wake-up and launch latency.",
+            labels=["model_name", "phase"],
+        )
+        for phase, sec in s.step_host_seconds.items():
+            host.add_metric([self.model_name, phase], sec)
+        yield host
 
 
 class ServerMetrics:

@@ -269,6 +269,7 @@ class ModelRunner:
     def wait(self, flight: InFlight) -> tuple[np.ndarray, np.ndarray]:
         """(accepted drafts per plan entry, sampled token per plan sample row)."""
         out = flight.wait()
+        self.step_timer.host.start()  # the device waits on the host from here (host_path.py)
         self.step_timer.resolve()  # the step has waited for its results: its marks are readable
         return out
 

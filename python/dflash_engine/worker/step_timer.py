@@ -21,10 +21,13 @@ import time
 
 import torch
 
+from .host_path import HostPath
+
 
 class StepTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.host = HostPath()  # the host's side of each idle gap, by phase (host_path.py)
         self.reset()
 
     def reset(self) -> None:
@@ -38,6 +41,7 @@ class StepTimer:
         self._pending: list[tuple] = []  # (gap start or None, begin, end, tag), oldest first
         # tag -> [busy seconds, steps, idle seconds before those steps, gaps counted] (take_by_tag)
         self.by_tag: dict[tuple[int, int], list] = {}
+        self.host.reset()
 
     def _mark(self):
         if not self.cuda:
@@ -53,6 +57,7 @@ class StepTimer:
         """`tag`: a pure-decode step's (batch bucket, K), whose busy time also adds up per
         tag (the adaptive draft length's live costs); None for other steps."""
         self.resolve()
+        self.host.finish()
         self._start, self._tag = self._mark(), tag
 
     def end(self) -> None:
@@ -65,6 +70,7 @@ class StepTimer:
     def pause(self) -> None:
         """The engine has no work (or a step failed midway): the next gap is not idle time."""
         self._prev_end = self._start = None
+        self.host.cancel()
 
     def totals(self) -> tuple[float, float, int]:
         """(busy seconds, idle seconds, steps) of the steps resolved so far (a plain read)."""
