@@ -42,6 +42,7 @@ server() {
             row=$(grep -E "^ +$c +(OK|FAIL)" $L/client_${name}_${set}_c$c.log | tail -1)
             python3 -c "b, a = '$before'.split(), '$after'.split(); n = float(a[1]) - float(b[1])
 print('$name $set' + ' ' * max(1, 24 - len('$name $set')) + '''$row''' + f'   server TTFT {1e3 * (float(a[0]) - float(b[0])) / max(n, 1):.1f} ms')" | tee -a $OUT/table.txt
+            grep -E "^c=$c: host ms" $L/client_${name}_${set}_c$c.log | sed "s/^/    /" | tee -a $OUT/table.txt
         done
     done
     curl -s localhost:8000/metrics | grep -E "^dflash:steps_by_path_total|^vllm:spec_decode_num_draft_tokens_total" > $L/paths_$name.txt

@@ -152,6 +152,7 @@ def test_engine_counts_busy_steps_and_idle_only_while_there_is_work(qwen3_dir, r
     assert set(host) == set(PHASES) and 0 < s1.step_host_gaps <= s1.num_steps - 1
     assert host["sampling_arrays"] >= 0.02 * s1.step_host_gaps
     assert sum(host.values()) <= s1.step_idle_seconds + 1e-6
+    assert s1.step_host_overlapped_seconds > 0  # the outputs, built between a launch and its wait
 
     # An empty engine is not an idle device: nothing of the pause counts.
     llm.engine.fault_injector = None
@@ -187,7 +188,8 @@ def test_metrics_expose_the_step_counters_and_bench_parses_them():
     assert 'dflash:steps_total{model_name="m"} 40.0' in text
     before = bench_serve._parse_counters(text)
     stats = EngineStats(step_busy_seconds=3.5, step_idle_seconds=1.0, num_steps=60,
-                        step_host_seconds={"commit": 0.12, "stage": 0.3}, step_host_gaps=59)
+                        step_host_seconds={"commit": 0.12, "stage": 0.3}, step_host_gaps=59,
+                        step_host_overlapped_seconds=0.04)
     after = bench_serve._parse_counters(ServerMetrics("m", lambda: stats).render().decode())
     idle = bench_serve._step_idle(before, after)
     # 20 steps: 100 ms busy and 25 ms idle each; idle is 20% of step time.
@@ -196,6 +198,7 @@ def test_metrics_expose_the_step_counters_and_bench_parses_them():
     assert idle["idle_pct"] == pytest.approx(20.0)
     # 20 gaps: 1 ms of commit and 5 ms of staging each.
     assert idle["host_ms_per_gap"] == pytest.approx({"commit": 1.0, "stage": 5.0})
+    assert idle["host_overlapped_ms_per_step"] == pytest.approx(2.0)
     # No step in the rung, or a server without the counters (vLLM): no numbers, not zeros.
     assert bench_serve._step_idle(after, after)["idle_ms_per_step"] is None
     other = {k: v for k, v in after.items() if not k.startswith("dflash:")}

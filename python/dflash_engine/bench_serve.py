@@ -40,6 +40,7 @@ _STEP_IDLE = "dflash:step_device_idle_seconds"
 _STEPS = "dflash:steps"
 _HOST = "dflash:step_host_seconds"  # by phase (worker/host_path.py)
 _HOST_GAPS = "dflash:step_host_gaps"
+_HOST_OVERLAPPED = "dflash:step_host_overlapped_seconds"
 
 
 @dataclass
@@ -196,7 +197,7 @@ def _parse_counters(text: str) -> dict[str, float]:
     totals = {_SPEC_ACCEPTED: 0.0, _SPEC_DRAFTS: 0.0, "synthetic": 0.0}
     for family in text_string_to_metric_families(text):
         samples = [s for s in family.samples if s.name.endswith("_total")]
-        if family.name in (_STEP_BUSY, _STEP_IDLE, _STEPS, _HOST_GAPS):
+        if family.name in (_STEP_BUSY, _STEP_IDLE, _STEPS, _HOST_GAPS, _HOST_OVERLAPPED):
             totals[family.name] = sum(s.value for s in samples)
         elif family.name == _HOST:  # by phase: "dflash:step_host_seconds:<phase>"
             for s in samples:
@@ -232,6 +233,9 @@ def _step_idle(before: dict[str, float] | None, after: dict[str, float] | None) 
     phases = [k for k in after if k.startswith(_HOST + ":")]
     if gaps > 0 and phases:
         out["host_ms_per_gap"] = {k.split(":", 2)[2]: 1000.0 * (after[k] - before.get(k, 0.0)) / gaps for k in phases}
+    if _HOST_OVERLAPPED in after:  # outputs built while the device ran: ms per step
+        overlapped = after[_HOST_OVERLAPPED] - before.get(_HOST_OVERLAPPED, 0.0)
+        out["host_overlapped_ms_per_step"] = 1000.0 * overlapped / steps
     return out
 
 
@@ -418,7 +422,9 @@ def _print_table(result: dict) -> None:
         if r.get("host_ms_per_gap"):
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["host_ms_per_gap"].items())
             print(f"c={r['concurrency']}: host ms per gap between steps: {parts} "
-                  f"(total {sum(r['host_ms_per_gap'].values()):.3f} of {r['idle_ms_per_step']:.3f} idle)")
+                  f"(total {sum(r['host_ms_per_gap'].values()):.3f} of {r['idle_ms_per_step']:.3f} idle); "
+                  f"outputs while the device ran {r.get('host_overlapped_ms_per_step') or 0:.3f} of "
+                  f"{r['busy_ms_per_step']:.3f} busy")
 
 
 def main(args: argparse.Namespace) -> int:

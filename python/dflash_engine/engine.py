@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,6 +67,7 @@ class EngineStats:
     # The host's side of the idle gaps, by phase (worker/host_path.py), and the gaps counted.
     step_host_seconds: dict[str, float] = field(default_factory=dict)
     step_host_gaps: int = 0
+    step_host_overlapped_seconds: float = 0.0  # outputs built while the device ran the next step
     # Steps launched, by how: "decode_graph", "mixed_graph" (the graph runner's padded shapes)
     # and "eager" (the plan's own shapes: CPU fast mode, prefill-only and oversized mixed steps).
     steps_by_path: dict[str, int] = field(default_factory=dict)
@@ -270,11 +272,13 @@ class LLMEngine:
             flight = self._launch(plan)
         except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
             return self._take_outputs() + self._recover(plan, e)
+        t0 = time.perf_counter()
         try:
             outputs = self._emit(self._take_outputs())
         except BaseException:
             self._abandon(plan, flight)
             raise
+        host.overlapped += time.perf_counter() - t0
         try:
             self._pending = self._land(plan, flight)
         except Exception as e:  # noqa: BLE001
@@ -522,6 +526,7 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             step_busy_seconds=busy, step_idle_seconds=idle, num_steps=steps,
             step_host_seconds=self.runner.step_timer.host.totals(), step_host_gaps=self.runner.step_timer.host.gaps,
+            step_host_overlapped_seconds=self.runner.step_timer.host.overlapped,
             steps_by_path=self.runner.steps_by_path(),
         )
 

@@ -51,6 +51,8 @@ _COUNTERS = [
     ("dflash:steps", "num_steps", "Engine steps timed."),
     ("dflash:step_host_gaps", "step_host_gaps",
      "Gaps between steps whose host time is in dflash:step_host_seconds."),
+    ("dflash:step_host_overlapped_seconds", "step_host_overlapped_seconds",
+     "Host time spent on a step's outputs while the device ran the next step."),
 ]
 _GAUGES = [
     ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),

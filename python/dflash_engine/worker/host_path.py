@@ -16,7 +16,10 @@ host's side of it into what the host does there, in order:
                      the plan into the pinned buffers)
 
 The device-side idle minus the sum of these is what the host does not see: the wake-up after
-the device finished (event synchronisation) and the launch latency.
+the device finished (event synchronisation), the launch latency, and host work overlapped with
+a step that outlasted it. That last one is `overlapped`: the seconds the overlapped step spends
+on the previous step's outputs (detokenising, handing them to the server) while the device
+runs; more than a step's busy time there and the device waits for it too.
 
 Invariant (the same as the step timer's idle): only a gap between two steps with work in
 between is counted. `start()` opens a gap when results come back; `finish()` closes it at
@@ -37,6 +40,7 @@ class HostPath:
     def reset(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.gaps = 0  # gaps closed (each a `start()` .. `finish()`)
+        self.overlapped = 0.0  # host seconds on outputs between a launch and its wait
         self._last: float | None = None  # the open gap's latest mark; None: no gap open
 
     def start(self) -> None:
