@@ -162,6 +162,144 @@ def test_combine_slices_a_wide_tile_qwen3_5_27b_geometry():
                   page_size=16)
 
 
+# ------------------------------------------------------------------- the fused combine
+
+# (query_lens, seq_lens): the shapes whose split partials a tile's last split program combines.
+FUSED_CASES = {
+    "decode": ([1, 1, 0, 1, 1, 0], [37, 1, 0, 90, 64, 5]),
+    "verify": ([16, 0, 16, 16], [16, 3, 100, 41]),
+    "prefill": ([70, 0, 45], [70, 0, 100]),  # several query blocks a request
+    "mixed": ([40, 1, 16, 0], [57, 33, 130, 0]),
+    "one_split": ([1, 4], [20, 30]),  # a 48-key table: one 64-key split (the exact mode: no arrival)
+}
+FUSED_MODES = {
+    "count3": dict(num_splits=3),
+    "auto": {},  # the decode rule's fixed-size splits or choose_num_splits' count
+    "fixed64": dict(split_keys=64),
+    "exact": dict(exact=True, split_keys=64),
+}
+# (causal, window, GQA group, dtype): causal or not and windowed or not each meet both groups
+# and both dtypes.
+FUSED_VARIANTS = {
+    "causal": (True, None, 4, torch.float32),
+    "causal_w20": (True, 20, 1, torch.bfloat16),
+    "full": (False, None, 1, torch.float32),
+    "full_w20": (False, 20, 4, torch.bfloat16),
+}
+
+
+def _counters_at_rest() -> bool:
+    from dflash_engine.kernels.attention_splits import _TILE_COUNTERS
+
+    return all(int(b.count_nonzero()) == 0 for b in _TILE_COUNTERS.get(torch.device(DEVICE), []))
+
+
+def _both_combines(monkeypatch, q, k_cache, v_cache, meta, causal, max_query_len, **kw):
+    """out of the two-launch combine, then of the fused one twice (the same counters)."""
+    from dflash_engine.kernels import attention as ka
+
+    outs = []
+    for fused in (False, True, True):
+        monkeypatch.setattr(ka, "FUSED_COMBINE", fused)
+        out = torch.full_like(q, float("nan"))
+        ka.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, table_of(meta),
+                           0.3, causal, max_query_len, out=out, **kw)
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("variant", list(FUSED_VARIANTS))
+@pytest.mark.parametrize("mode", list(FUSED_MODES))
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_combine_equals_the_two_launch_combine_bit_for_bit(case, mode, variant, monkeypatch):
+    """The last split program's combine (FUSED_COMBINE) gives the bits of the standalone
+    combine kernel, for every split rule and shape family; a second call on the same counters
+    gives them again (the counters reset themselves), and the counters are 0 after."""
+    causal, window, group, dtype = FUSED_VARIANTS[variant]
+    query_lens, seq_lens = FUSED_CASES[case]
+    q, k_cache, v_cache, meta = make_case(query_lens, seq_lens, n_kv=2, group=group, head_dim=32, page_size=8,
+                                          dtype=dtype, causal=causal, seed=len(query_lens))
+    two, fused, again = _both_combines(monkeypatch, q, k_cache, v_cache, meta, causal, max(query_lens),
+                                       window=window, **FUSED_MODES[mode])
+    n = meta.query_start_loc_cpu[-1]
+    assert torch.isfinite(two[:n].float()).all()
+    assert torch.equal(fused[:n], two[:n]) and torch.equal(again[:n], two[:n])
+    assert torch.isnan(fused[n:].float()).all(), "wrote rows no request owns"
+    assert _counters_at_rest()
+
+
+@pytest.mark.parametrize("mode", ["count3", "exact"])
+def test_fused_combine_loops_over_the_slices_of_a_wide_tile(mode, monkeypatch):
+    """GQA group 6 x head_dim 256 (Qwen3.5-27B): a 16-row verify tile of 96 packed rows in a
+    128-row tile; the last split program combines it 32 rows x 64 dims at a time (its fourth
+    row slice holds no packed row), with the standalone kernel's bits."""
+    q, k_cache, v_cache, meta = make_case([16, 1, 0], [140, 23, 0], n_kv=1, group=6, head_dim=256, page_size=16,
+                                          dtype=torch.float32, causal=True)
+    two, fused, again = _both_combines(monkeypatch, q, k_cache, v_cache, meta, True, 16, **FUSED_MODES[mode])
+    assert torch.isfinite(two[:17]).all()
+    assert torch.equal(fused[:17], two[:17]) and torch.equal(again[:17], two[:17])
+    assert _counters_at_rest()
+
+
+def test_fused_combine_launches_no_combine_kernel(monkeypatch):
+    """FUSED_COMBINE (the default) is one launch: the standalone kernel never runs, and the
+    fused result is right (against the reference, in run_and_check)."""
+    from dflash_engine.kernels import attention as ka
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the standalone combine kernel was launched")
+
+    monkeypatch.setattr(ka, "FUSED_COMBINE", True)
+    monkeypatch.setattr(ka, "_combine_splits_kernel", NoLaunch())
+    run_and_check([8, 1, 0], [75, 40, 3], causal=True, num_splits=3)
+    assert _counters_at_rest()
+    monkeypatch.setattr(ka, "FUSED_COMBINE", False)
+    with pytest.raises(AssertionError, match="standalone combine"):
+        run_and_check([8, 1, 0], [75, 40, 3], causal=True, num_splits=3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="races show only on a GPU (the interpreter runs programs one by one)")
+@pytest.mark.parametrize("group, head_dim", [(4, 128), (6, 256)])
+def test_fused_combine_under_contention_on_the_gpu(group, head_dim, monkeypatch):
+    """Many split programs racing to arrive last, call after call: every call's bits equal
+    the two-launch combine's and the counters are back to 0 (a missing release/acquire or a
+    stale L1 line shows as an occasional mismatch or NaN)."""
+    from dflash_engine.kernels import attention as ka
+
+    q, k_cache, v_cache, meta = make_case([16, 1, 16, 1], [1024, 700, 333, 2000], n_kv=8, group=group,
+                                          head_dim=head_dim, page_size=16, dtype=torch.bfloat16, causal=True)
+    n = meta.query_start_loc_cpu[-1]
+    rules = [{"num_splits": 16}, {"split_keys": 128}]
+
+    def call(rule):
+        out = torch.full_like(q, float("nan"))
+        ka.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, table_of(meta), 0.3, True, 16,
+                           out=out, **rule)
+        return out
+
+    monkeypatch.setattr(ka, "FUSED_COMBINE", False)
+    refs = [call(rule) for rule in rules]
+    monkeypatch.setattr(ka, "FUSED_COMBINE", True)
+    bad = sum(not torch.equal(call(rules[i % 2])[:n], refs[i % 2][:n]) for i in range(300))
+    torch.cuda.synchronize()
+    assert bad == 0 and _counters_at_rest()
+
+
+def test_tile_counters_grow_and_keep_the_older_buffers():
+    """A call needing more tiles than the buffer holds gets a fresh zeroed one (at least twice
+    as large); the older buffer stays alive (captured graphs hold its address)."""
+    from dflash_engine.kernels.attention_splits import _TILE_COUNTERS, tile_counters
+
+    device = torch.device(DEVICE)
+    small = tile_counters(device, 1)
+    assert small.dtype == torch.int32 and tile_counters(device, small.numel()) is small
+    grown = tile_counters(device, small.numel() + 1)
+    assert grown.numel() >= 2 * small.numel() and int(grown.count_nonzero()) == 0
+    assert _TILE_COUNTERS[device][-2] is small and _TILE_COUNTERS[device][-1] is grown
+    assert tile_counters(device, 5) is grown
+
+
 def test_paged_attention_strided_q_and_default_out():
     q, k_cache, v_cache, meta = make_case([3, 6], [10, 40], n_kv=2, group=2, head_dim=32,
                                           page_size=8, dtype=torch.float32, causal=True)
