@@ -98,7 +98,7 @@ def _ab_step(attr: str, dg, bs: int, device: torch.device, steps: int) -> dict:
                 best[value] = min(best[value], _timer(device, _phase_graph(dg, bs, "step"), steps))
     finally:
         setattr(module, name, was)
-    return {"ab_on_ms": best[True], "ab_off_ms": best[False]}
+    return {"on_ms": best[True], "off_ms": best[False]}
 
 
 def _prefill(engine: LLMEngine, c: int, context: int, rng: np.random.Generator, max_tokens: int) -> None:
@@ -155,8 +155,8 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
             row["verify_ms"] = _timer(device, _phase_graph(dg, bs, "verify"), args.steps)
             row["draft_ms"] = _timer(device, _phase_graph(dg, bs, "draft"), args.steps) if spec else 0.0
             row["rest_ms"] = row["step_ms"] - row["verify_ms"] - row["draft_ms"]
-            if args.ab:
-                row.update(_ab_step(args.ab, dg, bs, device, args.steps))
+            for attr in args.ab.split(",") if args.ab else []:
+                row[f"ab:{attr}"] = _ab_step(attr, dg, bs, device, args.steps)
         fl = ceilings.step_floor(target_cfg, draft_cfg, batch_size=c, context_len=args.context, rows_per_request=b,
                                  draft_pass=spec is not None, copy_gbs=copy_gbs, gemm_tflops=tflops)
         row.update(floor_ms=fl.floor_ms, floor_bound=fl.bound)
@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="ranks (tensor parallelism: eager steps, no graph-step timing)")
     ap.add_argument("--modes", default="off,on")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR",
-                    help="also time the step graph with this boolean module attribute True and False "
-                         "(e.g. dflash_engine.kernels.attention.FUSED_COMBINE)")
+    ap.add_argument("--ab", default=None, metavar="MODULE.ATTR[,MODULE.ATTR]",
+                    help="also time the step graph with each of these boolean module attributes True and "
+                         "False (e.g. dflash_engine.kernels.attention.FUSED_COMBINE,dflash_engine.ops.dispatch.HALF_LOGITS)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     copy_gbs = ceilings.copy_bandwidth_gbs(device)
@@ -204,13 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['mode']} | {r['c']} | {s:.2f} | {r.get('draft_ms', 0):.2f} | {r.get('verify_ms', 0):.2f} | "
               f"{r.get('rest_ms', 0):.2f} | {r['floor_ms']:.2f} ({r['floor_bound']}) | {s / r['floor_ms']:.2f}x | "
               f"{r['engine_step_ms']:.2f} |")
-    if args.ab:
-        print(f"\n| mode | c | step ms, {args.ab} = True | = False | True / False |")
+    for attr in args.ab.split(",") if args.ab else []:
+        print(f"\n| mode | c | step ms, {attr} = True | = False | True / False |")
         print("|---|---:|---:|---:|---:|")
         for r in rows:
-            if "ab_on_ms" in r:
-                print(f"| {r['mode']} | {r['c']} | {r['ab_on_ms']:.3f} | {r['ab_off_ms']:.3f} | "
-                      f"{r['ab_on_ms'] / r['ab_off_ms']:.3f} |")
+            if f"ab:{attr}" in r:
+                ab = r[f"ab:{attr}"]
+                print(f"| {r['mode']} | {r['c']} | {ab['on_ms']:.3f} | {ab['off_ms']:.3f} | "
+                      f"{ab['on_ms'] / ab['off_ms']:.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"copy_gbs": copy_gbs, "gemm_tflops": tflops, "rows": rows}, indent=1))
     return 0

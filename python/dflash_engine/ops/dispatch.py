@@ -45,6 +45,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, batch_invariant: bool
     return _lin.linear(x, weight, bias, batch_invariant)
 
 
+# The default mode's logits stay in the GEMM's dtype (True; `logits`); False widens them to
+# float32 as before. Read at each call: bench/bench_step.py --ab measures the copy it saves.
+HALF_LOGITS = True
+
+
 def logits(hidden: Tensor, weight: Tensor, batch_invariant: bool) -> Tensor:
     """Logits hidden @ weight.T for `sample` and argmax. The exact mode on the kernel path
     accumulates and returns float32 straight from the GEMM (one rounding, the same for every
@@ -58,7 +63,8 @@ def logits(hidden: Tensor, weight: Tensor, batch_invariant: bool) -> Tensor:
             from ..kernels import gemm
 
             return gemm.matmul(hidden, weight, None, out_dtype=torch.float32)
-        return _lin.linear(hidden, weight, None, False)
+        out = _lin.linear(hidden, weight, None, False)
+        return out if HALF_LOGITS else out.float()
     return _lin.linear(hidden, weight, None, batch_invariant).float()
 
 
