@@ -242,7 +242,7 @@ def test_fused_combine_loops_over_the_slices_of_a_wide_tile(mode, monkeypatch):
 
 
 def test_fused_combine_launches_no_combine_kernel(monkeypatch):
-    """FUSED_COMBINE (the default) is one launch: the standalone kernel never runs, and the
+    """FUSED_COMBINE = True is one launch: the standalone kernel never runs, and the
     fused result is right (against the reference, in run_and_check)."""
     from dflash_engine.kernels import attention as ka
 

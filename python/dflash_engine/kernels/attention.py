@@ -41,16 +41,16 @@ GPU) each program handles a contiguous share of the key tiles and writes a parti
 (normalized output, log-sum-exp) in float32 per (split, token, head), and the partials are
 combined (kernels/attention_splits.py) in one of two ways, with the same bits:
 
-- fused (``FUSED_COMBINE = True``, the default): the last split program of a (request x
-  query block, KV head) tile to finish combines that tile. Each program that computes a
+- fused (``FUSED_COMBINE = True``; off by default: slower on an H100, run 42): the last split
+  program of a (request x query block, KV head) tile to finish combines that tile. Each program that computes a
   split counts its arrival on the tile's int32 counter (an atomic with release/acquire
   semantics, after its partial stores); the one that sees every other split arrived reads
   their partials (L2 loads) and combines them, and resets the counter to 0. Counters are
   zero at rest, one persistent buffer per device (`tile_counters`: allocated by eager calls,
   never inside a CUDA graph capture), so launches and graph replays need no memset. No
   second launch: at decode it was ~6.5 us of launch latency per layer for a few KB;
-- standalone (``FUSED_COMBINE = False``, read at call time: benchmarks A/B the two in one
-  process): a second small kernel, ``_combine_splits_kernel``, after the main one.
+- standalone (``FUSED_COMBINE = False``, the default; read at call time: benchmarks A/B the
+  two in one process): a second small kernel, ``_combine_splits_kernel``, after the main one.
 
 Both run the one combine body (`_combine_slice`): ascending splits, the same fp32 ops per
 output element, so the switch changes no bit in either mode. Launches sharing a device's
@@ -134,8 +134,12 @@ _LOG2E = 1.4426950408889634
 # 64 / split_keys of its K/V bytes again as fp32 partials at GQA group 4). Tune on the device.
 EXACT_SPLIT_KEYS = 512
 # Split partials combined by the main kernel's last split program of each tile (True) or by a
-# second launch (False). Read at each call (module docstring); the bits are the same.
-FUSED_COMBINE = True
+# second launch (False). Read at each call (module docstring); the bits are the same. Off: on
+# an H100 (run 42, Qwen3-8B shape, K = 15) the fused step graph took 9.05 / 9.80 / 18.15 ms at
+# c = 1 / 8 / 32 against 8.63 / 9.58 / 18.14 with the second launch: one program combining a
+# whole tile slice by slice costs more than the launch it saves (the standalone combine spreads
+# the slices over many programs).
+FUSED_COMBINE = False
 
 
 # ----------------------------------------------------------------------------- store_kv
