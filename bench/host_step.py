@@ -34,7 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-overlap", action="store_true", help="the synchronous step")
+    ap.add_argument("--graph-runner", nargs=2, metavar=("TARGET_DIR", "DRAFT_DIR"), default=None,
+                    help="keep the runner's launch (the graph runner's packing of the plan into its pinned "
+                         "buffers, the bucket choice, the step timer) and stub only the device work, on a small "
+                         "checkpoint (e.g. `python -m dflash_engine.random_checkpoint --shape tiny T --draft D`) "
+                         "with the kernel path on the CPU; prints the host path's phases (worker/host_path.py)")
     args = ap.parse_args(argv)
+    if args.graph_runner:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["DFLASH_KERNELS_ON_CPU"] = "1"  # graph runners exist only on the kernel path
 
     from dflash_engine import SamplingParams
     from dflash_engine.config import EngineConfig
@@ -42,9 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_engine.worker.in_flight import InFlight
 
     spec = {"method": "dflash", "num_speculative_tokens": args.k, "draft_length": "fixed"} if args.k else "none"
+    model = "default"
+    if args.graph_runner:
+        model = args.graph_runner[0]
+        if args.k:
+            spec["model"] = args.graph_runner[1]
     max_len = 2048  # a pool that holds every request whole: no preemption in the timed steps
-    engine = LLMEngine(EngineConfig(model="default", speculative_config=spec, max_num_seqs=args.c,
-                                    max_model_len=max_len, device="cpu",
+    engine = LLMEngine(EngineConfig(model=model, speculative_config=spec, max_num_seqs=args.c,
+                                    max_model_len=max_len, device="cpu", dtype="float32",
                                     num_gpu_blocks_override=args.c * (max_len // 16 + 2)))
     engine.overlap = not args.no_overlap
     runner = engine.runner
@@ -56,7 +71,20 @@ def main(argv: list[str] | None = None) -> int:
         sampled = rng.integers(100, vocab - 100, len(plan.sample_rows)).astype(np.int64)
         return InFlight(lambda: (accepted, sampled), runner.device)
 
-    runner.launch = launch
+    if args.graph_runner:  # the device work alone is stubbed: random results in the runner's output buffers
+        import torch
+
+        from dflash_engine.worker.graph_runner import GraphRunner
+
+        def device_step(self, bs, all_greedy, p=0):
+            ns = self._shape(bs, p)[2]
+            self.out[:ns] = torch.from_numpy(rng.integers(100, vocab - 100, ns))
+            self.out[ns:ns + bs] = torch.from_numpy(rng.integers(0, self.b, bs))
+
+        GraphRunner.step = device_step
+        runner._launch_eager = launch  # prefill-only steps: no device work either
+    else:
+        runner.launch = launch
     params = SamplingParams(temperature=0, max_tokens=max_len - args.prompt_len - 64, ignore_eos=True)
     for i in range(args.c):
         engine.add_request(f"r{i}", rng.integers(100, vocab - 100, args.prompt_len).tolist(), params)
@@ -64,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
     for _ in range(20):  # past the prefill steps' pending outputs
         engine.step()
+    engine.runner.step_timer.host.reset()
 
     # Time the parts by wrapping them (each wrapper adds ~0.3 us).
     parts: dict[str, float] = defaultdict(float)
@@ -127,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<22} {sec / args.steps * 1e6:8.1f} us  {100 * sec / wall:5.1f}%")
     if gap["n"]:
         print(f"  critical path (results back -> next launch): {gap['sum'] / gap['n'] * 1e6:.1f} us")
+    host = engine.runner.step_timer.host
+    if host.gaps:
+        print("  host path by phase (us per gap): " + ", ".join(
+            f"{k} {v / host.gaps * 1e6:.1f}" for k, v in host.totals().items())
+            + f"; total {sum(host.totals().values()) / host.gaps * 1e6:.1f}")
     rest = wall - sum(parts.values())
     print(f"  {'rest (step body)':<22} {rest / args.steps * 1e6:8.1f} us  {100 * rest / wall:5.1f}%")
     if prof:

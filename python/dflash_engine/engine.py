@@ -405,23 +405,28 @@ class LLMEngine:
         return {**st, "position": position}, all_greedy
 
     def _build_sampling_arrays(self, plan) -> tuple[dict[str, np.ndarray], bool]:
-        reqs = [self._requests[int(h)] for h in plan.handles]
+        # One row of parameters per request, made once (a request's parameters never change):
+        # this runs on the critical path between steps whenever the batch changed.
+        rows = [self._sampling_row(self._requests[h]) for h in plan.handles.tolist()]
         counts = np.diff(plan.sample_start)
-        vocab = self.model_config.vocab_size
-
-        def col(values, dtype):
-            return np.repeat(np.asarray(values, dtype=dtype), counts)
-
-        p = [r.params for r in reqs]
-        greedy = [x.greedy for x in p]
+        greedy, temperature, top_k, top_p, min_p, seed = zip(*rows) if rows else ((),) * 6
         return {
-            "greedy": col(greedy, np.bool_),
-            "temperature": col([max(x.temperature, 1e-5) for x in p], np.float32),
-            "top_k": col([x.effective_top_k(vocab) for x in p], np.int64),
-            "top_p": col([x.top_p for x in p], np.float32),
-            "min_p": col([x.min_p for x in p], np.float32),
-            "seed": col([r.seed for r in reqs], np.int64),
+            "greedy": np.repeat(np.asarray(greedy, np.bool_), counts),
+            "temperature": np.repeat(np.asarray(temperature, np.float32), counts),
+            "top_k": np.repeat(np.asarray(top_k, np.int64), counts),
+            "top_p": np.repeat(np.asarray(top_p, np.float32), counts),
+            "min_p": np.repeat(np.asarray(min_p, np.float32), counts),
+            "seed": np.repeat(np.asarray(seed, np.int64), counts),
         }, all(greedy)
+
+    def _sampling_row(self, req: RequestState) -> tuple:
+        """(greedy, temperature, top_k, top_p, min_p, seed) of a request, cached on it."""
+        row = req.sampling_row
+        if row is None:
+            x = req.params
+            top_k = x.effective_top_k(self.model_config.vocab_size)
+            row = req.sampling_row = (x.greedy, max(x.temperature, 1e-5), top_k, x.top_p, x.min_p, req.seed)
+        return row
 
     def _record_spec(self, drafts: np.ndarray, accepted: np.ndarray) -> None:
         spec = drafts > 0

@@ -268,7 +268,10 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._dead: BaseException | None = None
         self._last_stats = engine.stats()  # a snapshot already
-        engine.output_sink = self._deliver
+        # A command taken off the queue during a step that must wait for the step boundary
+        # (an abort or the stop): it and everything after it are applied there, in order.
+        self._held: _Command | None = None
+        engine.output_sink = self._sink
 
     def _fatal(self) -> BaseException | None:
         """The engine's own verdict that it cannot serve (a tensor-parallel rank died)."""
@@ -284,7 +287,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while True:
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() or self._held is not None
                 if not self._apply_commands(block=not busy):
                     break
                 if self.engine.has_unfinished_requests():
@@ -300,11 +303,14 @@ class EngineLoop:
             self._fail_queued_adds()
 
     def _apply_commands(self, block: bool) -> bool:
-        """Apply every queued command; False once shutdown is requested."""
-        try:
-            cmd = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
+        """Apply every queued command (at the step boundary); False once shutdown is requested."""
+        if self._held is not None:
+            cmd, self._held = self._held, None
+        else:
+            try:
+                cmd = self._commands.get() if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
         while True:
             if isinstance(cmd, _Stop):
                 return False
@@ -316,6 +322,25 @@ class EngineLoop:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _sink(self, outputs: list[RequestOutput]) -> None:
+        """The engine's output sink: called while the device runs a step (the overlapped step),
+        with the previous step's outputs. Delivers them, then admits the requests queued
+        meanwhile, so that the gap between steps, where the device waits on the host, does
+        not pay for their admission (host_path.py's "between_steps"). A new request only
+        joins the core's waiting queue; the step in flight is not touched. Aborts and the
+        stop wait for the step boundary (a request of the step in flight may not leave it),
+        and so does every command after them: commands apply in the order they came."""
+        self._deliver(outputs)
+        while self._held is None:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self._held = cmd
 
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
