@@ -375,7 +375,6 @@ class GraphRunner:
             self.pool = g.pool()
         self.graphs[(bs, p, all_greedy)] = g
 
-    @torch.inference_mode()
     def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool, p: int = 0) -> InFlight:
         """Launch a pure-decode plan (`p` = 0) or a mixed one (`p`: its `mixed_bucket`); the
         InFlight's `wait` gives (accepted per plan entry, sampled per plan sample row). The
@@ -407,8 +406,9 @@ class GraphRunner:
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_f32.copy_(self.host_f32, non_blocking=True)
         if self.enforce_eager:
-            self.step(bs, all_greedy, p)
-        else:
+            with torch.inference_mode():
+                self.step(bs, all_greedy, p)
+        else:  # (no autograd mode to enter: a replay and copies of buffers that need no grad)
             self.graphs[key].replay()
         self.host_out[:ns + bs].copy_(self.out[:ns + bs], non_blocking=True)
         self.timer.end()  # after the last launch (the copy back), before the wait for it
