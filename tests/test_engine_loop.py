@@ -31,6 +31,7 @@ class FakeEngine:
         self.steps = 0
 
     def stats(self):
+        self.events.append("stats")
         return None
 
     def has_unfinished_requests(self) -> bool:
@@ -74,12 +75,14 @@ def test_adds_during_a_step_are_admitted_in_it_aborts_and_what_follows_them_wait
         add(loop, "c")
 
     engine.during_step = arrivals
+    engine.events.clear()  # (the loop's first snapshot, at construction)
     loop._apply_commands(block=False)  # a, at the boundary before step 1
     loop._step()
-    assert engine.events == ["add a", "step 1 launched", "add b", "step 1 landed"]
+    # The stats snapshot and b's admission happen while the device runs step 1.
+    assert engine.events == ["add a", "step 1 launched", "stats", "add b", "step 1 landed"]
     assert loop._held is not None  # the abort, held for the boundary; c stays queued behind it
     assert loop._apply_commands(block=False)
-    assert engine.events[4:] == ["abort a", "add c"]
+    assert engine.events[5:] == ["abort a", "add c"]
     assert loop._held is None and loop._commands.empty()
 
 
@@ -93,6 +96,7 @@ def test_the_stop_waits_for_the_boundary_and_ends_the_loop():
         add(loop, "late")
 
     engine.during_step = stop_then_add
+    engine.events.clear()
     loop._run()  # returns once the stop applies, at the boundary after step 1
-    assert engine.events == ["add a", "step 1 launched", "step 1 landed"]
+    assert engine.events == ["add a", "step 1 launched", "stats", "step 1 landed"]
     assert engine.steps == 1 and "add late" not in engine.events

@@ -271,6 +271,7 @@ class EngineLoop:
         # A command taken off the queue during a step that must wait for the step boundary
         # (an abort or the stop): it and everything after it are applied there, in order.
         self._held: _Command | None = None
+        self._sink_ran = False  # the output sink ran during the current step (device time)
         engine.output_sink = self._sink
 
     def _fatal(self) -> BaseException | None:
@@ -290,9 +291,13 @@ class EngineLoop:
                 busy = self.engine.has_unfinished_requests() or self._held is not None
                 if not self._apply_commands(block=not busy):
                     break
+                self._sink_ran = False
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._after_step()
+                # The stats snapshot: taken in the sink, during device time, when the step had
+                # one (the overlapped step); here otherwise, and always once the engine is idle.
+                if not self._sink_ran or not self.engine.has_unfinished_requests():
+                    self._after_step()
         except BaseException as e:  # the engine could not be reset: stop serving, truthfully
             logger.exception("engine loop died")
             self._dead = e
@@ -325,13 +330,15 @@ class EngineLoop:
 
     def _sink(self, outputs: list[RequestOutput]) -> None:
         """The engine's output sink: called while the device runs a step (the overlapped step),
-        with the previous step's outputs. Delivers them, then admits the requests queued
+        with the previous step's outputs. Delivers them, takes the stats snapshot, then admits the requests queued
         meanwhile, so that the gap between steps, where the device waits on the host, does
         not pay for their admission (host_path.py's "between_steps"). A new request only
         joins the core's waiting queue; the step in flight is not touched. Aborts and the
         stop wait for the step boundary (a request of the step in flight may not leave it),
         and so does every command after them: commands apply in the order they came."""
         self._deliver(outputs)
+        self._sink_ran = True
+        self._after_step()
         while self._held is None:
             try:
                 cmd = self._commands.get_nowait()
