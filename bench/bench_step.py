@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--ab", default=None, metavar="MODULE.ATTR[,MODULE.ATTR]",
                     help="also time the step graph with each of these boolean module attributes True and "
-                         "False (e.g. dflash_engine.kernels.attention.FUSED_COMBINE,dflash_engine.ops.dispatch.HALF_LOGITS)")
+                         "False (e.g. dflash_engine.ops.dispatch.HALF_LOGITS)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     copy_gbs = ceilings.copy_bandwidth_gbs(device)

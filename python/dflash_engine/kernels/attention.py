@@ -38,23 +38,8 @@ prefill chunks are tiled by ``BLOCK_Q`` query rows. Keys are visited in tiles of
 causality masks entirely are never visited, and tiles entirely visible to every row run
 without masks. With ``num_splits > 1`` (flash-decoding, for batches too small to fill the
 GPU) each program handles a contiguous share of the key tiles and writes a partial
-(normalized output, log-sum-exp) in float32 per (split, token, head), and the partials are
-combined (kernels/attention_splits.py) in one of two ways, with the same bits:
-
-- fused (``FUSED_COMBINE = True``; off by default: slower on an H100, run 42): the last split
-  program of a (request x query block, KV head) tile to finish combines that tile. Each program that computes a
-  split counts its arrival on the tile's int32 counter (an atomic with release/acquire
-  semantics, after its partial stores); the one that sees every other split arrived reads
-  their partials (L2 loads) and combines them, and resets the counter to 0. Counters are
-  zero at rest, one persistent buffer per device (`tile_counters`: allocated by eager calls,
-  never inside a CUDA graph capture), so launches and graph replays need no memset. No
-  second launch: at decode it was ~6.5 us of launch latency per layer for a few KB;
-- standalone (``FUSED_COMBINE = False``, the default; read at call time: benchmarks A/B the
-  two in one process): a second small kernel, ``_combine_splits_kernel``, after the main one.
-
-Both run the one combine body (`_combine_slice`): ascending splits, the same fp32 ops per
-output element, so the switch changes no bit in either mode. Launches sharing a device's
-counters must not run concurrently (one stream, or streams ordered between them).
+(normalized output, log-sum-exp) in float32 per (split, token, head); a second small kernel
+combines them (kernels/attention_splits.py).
 
 Sliding windows
 ---------------
@@ -114,15 +99,11 @@ from torch import Tensor
 from .attention_splits import (
     _DECODE_SPLIT_TILES,
     MAX_SPLITS,
-    _arrive_last,
     _combine_splits_kernel,
-    _combine_tile,
-    _live_splits,
     _row_splits,
     _window_lo,
     choose_num_splits,
     decode_split_keys,
-    tile_counters,
 )
 from .kv_store import store_kv  # (the K/V writes: a file of their own; re-exported here)
 
@@ -134,13 +115,6 @@ _LOG2E = 1.4426950408889634
 # larger: fewer partial bytes for wide verify batches (a 16-row verify block writes
 # 64 / split_keys of its K/V bytes again as fp32 partials at GQA group 4). Tune on the device.
 EXACT_SPLIT_KEYS = 512
-# Split partials combined by the main kernel's last split program of each tile (True) or by a
-# second launch (False). Read at each call (module docstring); the bits are the same. Off: on
-# an H100 (run 42, Qwen3-8B shape, K = 15) the fused step graph took 9.05 / 9.80 / 18.15 ms at
-# c = 1 / 8 / 32 against 8.63 / 9.58 / 18.14 with the second launch: one program combining a
-# whole tile slice by slice costs more than the launch it saves (the standalone combine spreads
-# the slices over many programs).
-FUSED_COMBINE = False
 
 
 # ----------------------------------------------------------------------- paged attention
@@ -215,7 +189,7 @@ def _attend_tiles(
 # compile stall of seconds in the middle of serving).
 @triton.jit(do_not_specialize=["num_q_blocks", "max_pages", "stride_bt", "part_rows", "window"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
     qk_scale, num_q_blocks, max_pages, part_rows, window,
     stride_qt, stride_qh, stride_qd,
@@ -226,7 +200,6 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, ALL_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSED: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_rq = tl.program_id(0)  # request * num_q_blocks + query block
     kv_head = tl.program_id(1)
@@ -274,7 +247,6 @@ def _paged_attention_kernel(
     full_end = tl.minimum(full_end, kv_end)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     lo_tile = kv_lo // BLOCK_N  # tiles before it: outside every row's window, never visited
-    n_live = _live_splits(num_tiles, lo_tile, num_splits, SPLIT_TILES)  # parts 0 .. n_live - 1 compute
     split = part
     if not SPLIT:
         tile_lo = lo_tile
@@ -283,7 +255,7 @@ def _paged_attention_kernel(
         # Fixed-size splits: the boundaries sit at the same keys whatever the grid.
         split = lo_tile // SPLIT_TILES + part
         tile_lo = split * SPLIT_TILES
-        if part >= n_live:  # (tile_lo >= num_tiles) past this block's keys: the combine never reads it
+        if tile_lo >= num_tiles:  # past this block's keys: the combine never reads it
             return
         tile_hi = tl.minimum(tile_lo + SPLIT_TILES, num_tiles)
         tile_lo = tl.maximum(tile_lo, lo_tile)
@@ -349,26 +321,11 @@ def _paged_attention_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + pidx, lse, mask=part_ok)
         tl.store(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=part_ok[:, None])
-        # The fused combine: the tile's last computing split combines it (with one, every row
-        # was final above). Every program of the tile agrees on n_live; those past it exited
-        # above and do not arrive.
-        if FUSED:
-            if n_live > 1:
-                n_kv = tl.num_programs(1)
-                if _arrive_last(counter_ptr, pid_rq * n_kv + kv_head, n_live):
-                    _combine_tile(
-                        out_ptr, part_o_ptr, part_lse_ptr,
-                        row0, q_start, q_len, seq_len, kv_head, n_kv,
-                        num_splits, part_rows, max_pages, window, stride_ot, stride_oh, stride_od,
-                        GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM, PAGE, CAUSAL, WINDOWED, SPLIT_TILES,
-                        SUB_M, BLOCK_D,
-                    )
 
 
 # Tiles hold at most this many packed (query row x GQA head) rows.
 _MAX_BLOCK_M = 128
-# The combine's slice of a tile: packed rows x head dims per program of the standalone
-# combine, per step of the fused one's loop (attention_splits.py).
+# The combine's slice of a tile: packed rows x head dims per program (attention_splits.py).
 # Whole tiles (up to 128 x 256 fp32) spilled: the Qwen3.5-27B shape's combine took 327 us a
 # launch at c = 1 on the H200 (run 30), 22% of the step.
 COMBINE_SUB_M = 32
@@ -442,10 +399,9 @@ def paged_attention(
     only keys in (p - window, p + window); keys before its query block's first window are
     never read. `max_query_len` (a Python int,
     >= every request's q_len) and the tensor shapes fix the grid; `num_splits` (None: chosen
-    by `choose_num_splits`) splits each context across programs, combined by the last split
-    program of each tile (or a second launch: FUSED_COMBINE). `split_keys` instead splits
-    every context into fixed runs of that many keys (a multiple of the key tile: 64, or 32
-    for head_dim > 128). `exact=True` is the
+    by `choose_num_splits`) splits each context across programs, combined by a second
+    launch. `split_keys` instead splits every context into fixed runs of that many keys (a
+    multiple of the key tile: 64, or 32 for head_dim > 128). `exact=True` is the
     batch-invariant mode (module docstring): fixed-size splits (`split_keys`, default
     EXACT_SPLIT_KEYS), one tile geometry, so a row's bits depend on its own query, context
     and K/V only. Capturable in a CUDA graph: no host syncs, no value-dependent shapes."""
@@ -503,23 +459,17 @@ def paged_attention(
     # its table holds one split or many (a row of one split is written by the main kernel).
     split = num_splits > 1 or exact
     grid = (num_requests * num_q_blocks, n_kv, num_splits)
-    # Every split launch of a mode compiles one variant, fused or not (a table of one split
-    # arrives at no counter), so the exact mode's warm-up covers its calls.
-    fused = FUSED_COMBINE and split
     if split:
         rows = num_splits * num_tokens * n_heads
         part_o = torch.empty((rows, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((rows,), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused (SPLIT=False writes out directly)
-    # One counter per (request x query block, KV head) tile: program (pid_rq, kv_head)'s.
-    counters = tile_counters(q.device, grid[0] * grid[1]) if fused else part_lse  # (else unused)
-    sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
     # fp32 inputs (tests, interpreter): exact fp32 products, not TF32.
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     num_warps, num_stages = _launch_config(block_m, head_dim)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse, counters,
+        q, k_cache, v_cache, out, part_o, part_lse,
         query_start_loc, seq_lens, page_tables,
         scale * _LOG2E, num_q_blocks, max_pages, num_tokens, window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
@@ -527,10 +477,10 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed,
         SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=all_masked, DOT_PRECISION=precision,
-        FUSED=fused, SUB_M=sub_m, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and not fused:  # (with one split every row was final in the main kernel)
+    if num_splits > 1:  # (with one split every row was final in the main kernel)
+        sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
         _combine_splits_kernel[(grid[0], n_kv * (block_m // sub_m), head_dim // block_d)](
             out, part_o, part_lse, query_start_loc, seq_lens,
             num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),
@@ -547,8 +497,7 @@ def warmup(n_heads: int, n_kv: int, head_dim: int, page_size: int, dtype: torch.
     `tile_geometry` can choose, causal and not, with and without split contexts) on tiny
     inputs, so that no request pays a Triton compile (seconds) in the middle of serving.
     `exact`: the exact mode's variants instead (one geometry: causal and not; a context of
-    two splits, so the combine compiles too: fused into the main kernel, or the standalone
-    kernel, as FUSED_COMBINE selects). `windowed`: the sliding-window variants as
+    two splits, so the combine compiles too). `windowed`: the sliding-window variants as
     well (the window is specialised on being set, not on its value): pass it for a model
     with windowed layers. Returns the number of variants launched. Compiles are cached on
     disk by Triton, so only a machine's first start pays for them."""

@@ -1,7 +1,5 @@
 """Context splits of the paged attention (kernels/attention.py): how many, which of them a
-packed row reads, and the combine of their partials: one body (`_combine_slice`) run by a
-kernel of its own or by the main kernel's last split program of each tile (`_arrive_last`,
-`tile_counters`; attention.py's FUSED_COMBINE).
+packed row reads, and the kernel that combines their partials.
 
 Split rules: by count (``num_splits`` programs share a query block's key tiles; the count
 comes from `choose_num_splits`) and fixed-size (split ``s`` covers key tiles
@@ -15,12 +13,10 @@ are neither launched nor given partial memory; partial ``j`` of a block is split
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-__all__ = ["MAX_SPLITS", "choose_num_splits", "decode_split_keys", "tile_counters"]
+__all__ = ["MAX_SPLITS", "choose_num_splits", "decode_split_keys"]
 
 # Most context splits per call: bounds the fp32 partial buffers (and gains nothing beyond).
 MAX_SPLITS = 32
@@ -127,88 +123,6 @@ def _row_splits(seq_len, q_len, row, row_ok, max_pages, window, PAGE: tl.constex
     return first, tl.where(row_ok, tl.cdiv(tl.cdiv(row_end, BLOCK_N), SPLIT_TILES) - first, 0)
 
 
-@triton.jit
-def _live_splits(num_tiles, lo_tile, num_splits, SPLIT_TILES: tl.constexpr):
-    """How many of a tile's `num_splits` split programs compute (and write partials): by
-    count, all of them; fixed-size, parts 0 .. n - 1, those whose split (the block's first,
-    ``lo_tile // SPLIT_TILES``, + part) starts before the block's last key tile ``num_tiles``.
-    The others exit at once. A function of values every program of the tile agrees on, so
-    all of them count the same arrivals for the fused combine."""
-    n = num_splits
-    if SPLIT_TILES > 0:
-        n = tl.minimum(num_splits, tl.cdiv(num_tiles, SPLIT_TILES) - lo_tile // SPLIT_TILES)
-    return n
-
-
-@triton.jit
-def _combine_slice(
-    out_ptr, part_o_ptr, part_lse_ptr,
-    row0, q_start, q_len, seq_len, kv_head, n_kv, m0, d0,
-    num_splits, part_rows, max_pages, window,
-    stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-    SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those, for the packed rows
-    [m0, m0 + SUB_M) x head dims [d0, d0 + BLOCK_D) of one (request x query block, KV head)
-    tile. SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
-    span, in ascending order, so its result does not depend on its query block's extent; a
-    row of one split is skipped (the main kernel wrote it). By count, a split that saw none
-    of a row's keys (before its window, after its causal end) holds lse = -inf and weighs 0.
-
-    The one body of both combines (`_combine_splits_kernel`, and the main kernel's last split
-    program: attention.py's fused combine), so their bits agree by construction. Each output
-    element is a sequence of elementwise fp32 ops over the splits in ascending order, so how
-    a tile is sliced (or which program runs the slice) changes no bit. Partials are read with
-    `.cg` (L2, not L1): in the fused combine they were written by other programs of the same
-    launch (attention.py states the ordering); in the standalone kernel it costs nothing
-    (each partial is read once)."""
-    offs_m = m0 + tl.arange(0, SUB_M)
-    offs_d = d0 + tl.arange(0, BLOCK_D)
-    row = row0 + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
-    tok = (q_start + row).to(tl.int64)
-    pidx0 = tok * (n_kv * GROUP) + head  # the block's first partial of each packed row
-    split_stride = part_rows.to(tl.int64) * (n_kv * GROUP)
-    if SPLIT_TILES > 0:
-        first, row_splits = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
-                                        PAGE, BLOCK_N, SPLIT_TILES, CAUSAL, WINDOWED)
-        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
-        n_loop = tl.max(row_splits, 0)
-        if WINDOWED:  # the row's first partial, counted from the block's first split (its first row's)
-            pidx0 += (first - _window_lo(seq_len - q_len + row0, window) // (BLOCK_N * SPLIT_TILES)) * split_stride
-    else:
-        row_splits = tl.where(row_ok, num_splits, 0)
-        n_loop = num_splits
-
-    lse_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
-    for s in range(n_loop):
-        lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"),
-                      cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, lse)
-    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros([SUB_M], dtype=tl.float32)
-    acc = tl.zeros([SUB_M, BLOCK_D], dtype=tl.float32)
-    for s in range(n_loop):
-        use = s < row_splits
-        pidx = s * split_stride + pidx0
-        lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"), cache_modifier=".cg")
-        w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
-        o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0,
-                    cache_modifier=".cg")
-        # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
-        total = tl.where(use, total + w, total)
-        acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
-    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
-    )
-
-
 @triton.jit(do_not_specialize=["num_q_blocks", "num_splits", "part_rows", "max_pages", "window"])
 def _combine_splits_kernel(
     out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr,
@@ -218,12 +132,16 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The standalone combine (a second launch after the main kernel; attention.py's
-    ``FUSED_COMBINE = False``): one `_combine_slice` per program.
+    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row).
+    SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
+    span, in ascending order, so its result does not depend on its query block's extent.
+    By count, a split that saw none of a row's keys (before its window, after its causal
+    end) holds lse = -inf and weighs 0.
 
     Grid (request x query block, KV head x SUB_M-row slice of the tile, BLOCK_D-wide slice of
-    head_dim): the slices keep the fp32 accumulator small (a whole 128 x 256 tile spills) and
-    give a lone request's few (KV head) tiles many programs."""
+    head_dim): each output element's sum over splits runs in the same order whatever the
+    slicing, so the slices change no bit; they keep the fp32 accumulator small (a whole
+    128 x 256 tile spills) and give a lone request's few (KV head) tiles many programs."""
     pid_rq = tl.program_id(0)
     n_sub: tl.constexpr = BLOCK_M // SUB_M
     kv_head = tl.program_id(1) // n_sub
@@ -236,88 +154,45 @@ def _combine_splits_kernel(
     # Nothing to do past the request's rows or the tile's packed rows.
     if (row0 + (sub * SUB_M) // GROUP >= q_len) | (sub * SUB_M >= BLOCK_Q * GROUP):
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    _combine_slice(
-        out_ptr, part_o_ptr, part_lse_ptr,
-        row0, q_start, q_len, seq_len, kv_head, n_kv, sub * SUB_M, tl.program_id(2) * BLOCK_D,
-        num_splits, part_rows, max_pages, window, stride_ot, stride_oh, stride_od,
-        GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, PAGE, CAUSAL, WINDOWED, SPLIT_TILES, SUB_M, BLOCK_D,
+    offs_m = sub * SUB_M + tl.arange(0, SUB_M)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row = row0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
+    tok = (q_start + row).to(tl.int64)
+    pidx0 = tok * (n_kv * GROUP) + head  # the block's first partial of each packed row
+    split_stride = part_rows.to(tl.int64) * (n_kv * GROUP)
+    if SPLIT_TILES > 0:
+        seq_len = tl.load(seq_lens_ptr + req)
+        first, row_splits = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
+                                        PAGE, BLOCK_N, SPLIT_TILES, CAUSAL, WINDOWED)
+        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
+        n_loop = tl.max(row_splits, 0)
+        if WINDOWED:  # the row's first partial, counted from the block's first split (its first row's)
+            pidx0 += (first - _window_lo(seq_len - q_len + row0, window) // (BLOCK_N * SPLIT_TILES)) * split_stride
+    else:
+        row_splits = tl.where(row_ok, num_splits, 0)
+        n_loop = num_splits
+
+    lse_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
+    for s in range(n_loop):
+        lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros([SUB_M], dtype=tl.float32)
+    acc = tl.zeros([SUB_M, BLOCK_D], dtype=tl.float32)
+    for s in range(n_loop):
+        use = s < row_splits
+        pidx = s * split_stride + pidx0
+        lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"))
+        w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
+        o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0)
+        # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
+        total = tl.where(use, total + w, total)
+        acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
+    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
     )
-
-
-@triton.jit
-def _combine_tile(
-    out_ptr, part_o_ptr, part_lse_ptr,
-    row0, q_start, q_len, seq_len, kv_head, n_kv,
-    num_splits, part_rows, max_pages, window,
-    stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-    SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """A whole tile's combine in one program (the fused combine): the slices the standalone
-    kernel gives its programs, one after another, skipping those it would skip (the loops
-    are static: SUB_M x BLOCK_D of fp32 accumulator at a time, never the whole tile)."""
-    for sub in tl.static_range(BLOCK_M // SUB_M):
-        if sub * SUB_M < BLOCK_Q * GROUP:  # (compile time) packed rows of the tile
-            if row0 + (sub * SUB_M) // GROUP < q_len:  # rows of the request
-                for db in tl.static_range(HEAD_DIM // BLOCK_D):
-                    _combine_slice(
-                        out_ptr, part_o_ptr, part_lse_ptr,
-                        row0, q_start, q_len, seq_len, kv_head, n_kv, sub * SUB_M, db * BLOCK_D,
-                        num_splits, part_rows, max_pages, window, stride_ot, stride_oh, stride_od,
-                        GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, PAGE, CAUSAL, WINDOWED, SPLIT_TILES, SUB_M, BLOCK_D,
-                    )
-
-
-@triton.jit
-def _arrive_last(counter_ptr, tile, n_arrivals):
-    """Counts this program's arrival at `tile`'s counter; True in the last of the tile's
-    `n_arrivals` programs to arrive, which also resets the counter to 0 (counters are zero at
-    rest: no memset between launches or graph replays, and the next launch on the stream
-    starts after this one ends).
-
-    Memory ordering (what makes the other programs' partials visible to the last one): each
-    program's threads issue their partial stores, then meet at the barrier; the atomic (one
-    thread of the program, Triton's scalar atomic) is a gpu-scope release, and PTX release is
-    cumulative, so every store that the barrier ordered before it is performed at gpu scope
-    (L2) before the count moves. The last program's atomic reads the final count with
-    acquire, so every other program's release happens-before it; its threads learn the count
-    from the atomic (broadcast through shared memory, after a barrier) and only then load
-    the partials, with `.cg` loads that go to L2, never to a possibly stale L1 line."""
-    tl.debug_barrier()  # every thread's partial stores issued before the arrival
-    count = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = count == n_arrivals - 1
-    if last:
-        tl.store(counter_ptr + tile, 0)  # the other arrivals are done with it
-    return last
-
-
-# The fused combine's per-device tile counters (int32, zero at rest): the newest buffer
-# serves the calls; older (smaller) ones stay alive because CUDA graphs captured with them
-# keep their addresses.
-_TILE_COUNTERS: dict[torch.device, list[Tensor]] = {}
-# The first buffer's size: 256 KiB covers requests x query blocks x KV heads of any step that
-# splits (a split needs few programs, or the exact mode's fixed splits: 64 requests x 2,048
-# rows x 8 KV heads at 32-row tiles is 32k tiles).
-MIN_TILE_COUNTERS = 1 << 16
-
-
-def tile_counters(device: torch.device, n: int) -> Tensor:
-    """An int32 buffer of at least `n` counters on `device`, all 0 between launches. Grows
-    (a fresh zeroed buffer, at least twice the size) only outside a CUDA graph capture: a
-    capture that needs more raises, since a buffer allocated there would live in the graph's
-    pool. Eager calls of the shape before capturing (what the engine's warm-up step does)
-    size it."""
-    bufs = _TILE_COUNTERS.setdefault(device, [])
-    if bufs and bufs[-1].numel() >= n:
-        return bufs[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        have = bufs[-1].numel() if bufs else 0
-        raise RuntimeError(
-            f"paged_attention's fused split combine needs {n} tile counters on {device}, {have} exist, and "
-            "a CUDA graph is being captured: run the same call eagerly before capturing (it allocates them), "
-            "or set kernels.attention.FUSED_COMBINE = False")
-    size = max(n, MIN_TILE_COUNTERS, 2 * bufs[-1].numel() if bufs else 0)
-    bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return bufs[-1]

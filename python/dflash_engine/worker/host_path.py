@@ -5,7 +5,7 @@ returns: the device has finished, the host has them) to the next step's first de
 The step timer (step_timer.py) measures that gap on the device's clock; this splits the
 host's side of it into what the host does there, in order:
 
-    commit           the results unpacked, the live cost table refreshed, the core's commit
+    commit           the results unpacked, the core's commit
     return           the rest of LLMEngine.step() after the commit (in the synchronous step
                      also the outputs: detokenising, request state)
     between_steps    step() returned -> the next step() call: the caller's work (the server's
