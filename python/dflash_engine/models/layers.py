@@ -98,14 +98,12 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv_layer: KVLayer
     ) -> Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = dispatch.qk_norm_rope(
-            qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
-            None if self.q_norm is None else self.q_norm.weight,
-            None if self.k_norm is None else self.k_norm.weight, self.eps,
-        )
         k_cache, v_cache = kv_layer
-        dispatch.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        q = dispatch.qk_norm_rope_store(  # K, V of these rows go into the caches at their slots
+            self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight, self.eps, k_cache, v_cache, meta.slot_mapping,
+        )
         # The exact mode's attention follows the model's GEMM flag (set_batch_invariant).
         out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale, self.qkv_proj.batch_invariant,
                                        self.window)

@@ -116,6 +116,41 @@ def qk_norm_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, 
     return fn(qkv, num_heads, num_kv_heads, head_dim, cos, sin, q_norm_weight, k_norm_weight, eps)
 
 
+# The K/V writes folded into the launch that computes K and V (the target's and the draft's
+# layers: qk_norm_rope_store; the draft's context write: context_kv_store). A module switch so
+# that bench_step --ab can time the separate launches against it; read per call.
+FUSED_KV_STORE = True
+
+
+def qk_norm_rope_store(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: Tensor, sin: Tensor,
+                       q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float,
+                       k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Tensor:
+    """`qk_norm_rope`, then its K and V rows into the paged caches (`store_kv`) -> q. On the
+    kernel path one launch (the same bits) where the caches take the rows in place."""
+    if FUSED_KV_STORE and use_kernels(qkv):
+        from ..kernels import rotary
+
+        _, kdt, vdt = rotary.result_dtypes(qkv, cos, q_norm_weight, k_norm_weight)
+        if rotary.cache_fits(k_cache, v_cache, kdt, vdt, num_kv_heads, head_dim):
+            return rotary.qk_norm_rope_store(qkv, num_heads, num_kv_heads, head_dim, cos, sin, q_norm_weight,
+                                             k_norm_weight, eps, k_cache, v_cache, slot_mapping)
+    q, k, v = qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, cos, sin, q_norm_weight, k_norm_weight, eps)
+    store_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q
+
+
+def context_kv_store(kv_rows: Tensor, cos: Tensor, sin: Tensor, k_norm_weights: Tensor | None, caches: Tensor,
+                     slot_mapping: Tensor, eps: float) -> None:
+    """Every draft layer's context K/V from its stacked k/v projection rows (DFlashDraftModel
+    .write_context): normed, rotated, written into `caches` ([L, 2, pages, page_size, KV, D])."""
+    if use_kernels(kv_rows):
+        from ..kernels import rotary
+
+        rotary.context_kv_store(kv_rows, cos, sin, k_norm_weights, caches, slot_mapping, eps)
+    else:
+        _rot.context_kv_store(kv_rows, cos, sin, k_norm_weights, caches, slot_mapping, eps)
+
+
 def qk_norm_partial_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: Tensor, sin: Tensor,
                          q_norm_weight: Tensor, k_norm_weight: Tensor, eps: float, gated: bool = False
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:

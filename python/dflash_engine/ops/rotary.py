@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .attention import write_kv
 from .norm import rms_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -179,3 +180,19 @@ def qk_norm_rope(
         k = rms_norm(k, k_norm_weight, eps)
     return (apply_rotary(q, cos, sin).contiguous(), apply_rotary(k, cos, sin).contiguous(),
             v.contiguous())
+
+
+def context_kv_store(kv_rows: Tensor, cos: Tensor, sin: Tensor, k_norm_weights: Tensor | None, caches: Tensor,
+                     slot_mapping: Tensor, eps: float) -> None:
+    """The DFlash draft's context write for every layer at once: kv_rows [T, L*2*KV*D] (per
+    layer: its K rows, then its V rows) -> layer l's K (per-head RMSNorm by
+    `k_norm_weights[l]` when given, then RoPE) and V into `caches[l, 0]` / `caches[l, 1]`
+    ([L, 2, pages, page_size, KV, D]) at `slot_mapping`. The per-layer math of
+    Attention.project_kv + write_kv."""
+    n_layers, _, _, _, kv, d = caches.shape
+    t = kv_rows.shape[0]
+    for layer, rows in enumerate(kv_rows.view(t, n_layers, 2, kv, d).unbind(1)):
+        k, v = rows.unbind(1)
+        if k_norm_weights is not None:
+            k = rms_norm(k, k_norm_weights[layer], eps)
+        write_kv(caches[layer, 0], caches[layer, 1], apply_rotary(k, cos, sin), v, slot_mapping)

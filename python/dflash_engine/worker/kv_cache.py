@@ -5,6 +5,9 @@ request is always exactly the target's committed positions. Page 0 is the null p
 A hybrid target has KV for its attention layers only; its GDN layers' state slots are views
 into the same pages (`state`, set by state_pool.state_views), so its pool is one flat byte
 buffer (`flat`, [num_pages, bytes_per_page]) and every K/V tensor a strided view into it.
+Either way the draft layers' K/V tensors are views of one `draft_stack` [L, 2, pages,
+page_size, KV, D] (`draft[l] == (draft_stack[l, 0], draft_stack[l, 1])`), which the draft's
+context write fills for every layer in one launch (kernels/rotary.py context_kv_store).
 """
 from __future__ import annotations
 
@@ -32,12 +35,14 @@ class KVCache:
         num_pages: int,
         page_size: int,
         flat: Tensor | None = None,
+        draft_stack: Tensor | None = None,
     ):
         self.target = target
         self.draft = draft
         self.num_pages = num_pages
         self.page_size = page_size
         self.flat = flat  # the one buffer behind every tensor above (flat allocation), else None
+        self.draft_stack = draft_stack  # [L, 2, pages, page_size, KV, D]: every draft K/V (None: no draft)
         self.state = None  # a hybrid target's HybridState: views into these pages (state_pool.py)
 
     @staticmethod
@@ -69,6 +74,7 @@ class KVCache:
             raise ValueError(f"KV cache needs at least 2 pages (page 0 is the null page), got {num_pages}")
         dtype = resolve_dtype(dtype)
         target, draft = _layer_shapes(target_cfg, draft_cfg)
+        nd = len(draft)
         if flat:
             elem = torch.empty((), dtype=dtype).element_size()
             buf = torch.zeros((num_pages, cls.bytes_per_page(target_cfg, draft_cfg, page_size, dtype)),
@@ -83,11 +89,22 @@ class KVCache:
                 return t
 
             pairs = [(view(*s), view(*s)) for s in target + draft]
-            return cls(pairs[:len(target)], pairs[len(target):], num_pages, page_size, flat=buf)
+            stack = None
+            if nd:  # the draft's tensors sit last in each page row, K then V per layer, all one size
+                k0 = pairs[len(target)][0]
+                n_kv, head_dim = draft[0]
+                m = page_size * n_kv * head_dim
+                stack = k0.as_strided((nd, 2, num_pages, page_size, n_kv, head_dim),
+                                      (2 * m, m, k0.stride(0), n_kv * head_dim, head_dim, 1))
+            return cls(pairs[:len(target)], pairs[len(target):], num_pages, page_size, flat=buf, draft_stack=stack)
 
         def pair(n_kv: int, head_dim: int) -> tuple[Tensor, Tensor]:
             shape = (num_pages, page_size, n_kv, head_dim)
             return (torch.zeros(shape, dtype=dtype, device=device),
                     torch.zeros(shape, dtype=dtype, device=device))
 
-        return cls([pair(*s) for s in target], [pair(*s) for s in draft], num_pages, page_size)
+        stack = None
+        if nd:
+            stack = torch.zeros((nd, 2, num_pages, page_size, *draft[0]), dtype=dtype, device=device)
+        return cls([pair(*s) for s in target], [(stack[i, 0], stack[i, 1]) for i in range(nd)], num_pages,
+                   page_size, draft_stack=stack)

@@ -81,6 +81,8 @@ class ModelRunner:
         elif tp is None:
             for line in install_cpu_backend(target, draft, rc.cpu_weights):
                 logger.info(line)
+        if draft is not None and tp is None and not rc.batch_invariant and use_kernels(draft.fc.weight):
+            draft.stack_context_weights()  # the context write: one GEMM + one launch for every layer
         rates = None if rc.synthetic_rates is None else torch.tensor(rc.synthetic_rates, dtype=torch.float64,
                                                                      device=rc.device)
         self.models = StepModels(target=target, draft=draft, kv=None, tap_layers=list(rc.tap_layers or []) or None,
