@@ -56,9 +56,10 @@ class DFlashDraftModel(nn.Module):
         norm = self.hidden_norm
         ctx = dispatch.rms_norm(self.fc(taps.to(self.fc.weight.dtype)), norm.weight, norm.eps)
         cos, sin = self.rotary(positions, ctx.dtype)
-        stack = kv.draft_stack
-        if (self.context_kv is not None and dispatch.FUSED_KV_STORE and stack is not None
-                and not self.fc.batch_invariant and stack.dtype == ctx.dtype):
+        stack = None
+        if self.context_kv is not None and dispatch.FUSED_KV_STORE and not self.fc.batch_invariant:
+            stack = kv.draft_stack  # (a KVCache's; None without one)
+        if stack is not None and stack.dtype == ctx.dtype:
             w, bias, kw = self.context_kv
             dispatch.context_kv_store(dispatch.linear(ctx, w, bias, False), cos, sin, kw, stack, slot_mapping,
                                       self.layers[0].self_attn.eps)
