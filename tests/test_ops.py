@@ -148,33 +148,6 @@ def test_rope_matches_transformers(case):
     torch.testing.assert_close(apply_rotary(x, cos, sin), ref_x[0].transpose(0, 1), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["default", "yarn"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_table_gives_the_computed_bits(case, dtype):
-    """cache_positions: cos/sin gathered from the table equal, bit for bit, what forward computes
-    (each position elementwise); another dtype computes as before; the switch
-    (rotary.GATHER_TABLE) turns the gather off."""
-    from dflash_engine.ops import rotary
-
-    def make():
-        return RotaryEmbedding(64, 500000.0, None if ROPE_CASES[case] is None else dict(ROPE_CASES[case]), 512)
-
-    emb, fresh = make(), make()
-    positions = torch.tensor([0, 7, 7, 300, 1023, 2], dtype=torch.int64)
-    emb.cache_positions(1024, "cpu", dtype)
-    got, want = emb(positions, dtype), fresh(positions, dtype)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert got[0].stride(0) == 128 and got[0].shape == (6, 64)  # views of the gathered cos | sin rows
-    assert all(torch.equal(a, b) for a, b in zip(emb(positions, torch.float16), fresh(positions, torch.float16)))
-    emb._table.fill_(float("nan"))  # read by the gather ...
-    assert emb(positions, dtype)[0].isnan().all()
-    rotary.GATHER_TABLE = False  # ... and not with the switch off
-    try:
-        assert all(torch.equal(a, b) for a, b in zip(emb(positions, dtype), want))
-    finally:
-        rotary.GATHER_TABLE = True
-
-
 def test_rope_v4_style_config_fields():
     d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
          "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -115,14 +115,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-# Whether a RotaryEmbedding with a table (`cache_positions`) gathers from it; a module switch
-# so that bench_step --ab can time the gather against computing cos/sin per call.
-GATHER_TABLE = True
-
-
 class RotaryEmbedding(nn.Module):
-    """Computes cos/sin for arbitrary absolute int64 positions, or gathers them from a table
-    of every position the engine can reach (`cache_positions`: one launch instead of ~9)."""
+    """Computes cos/sin for arbitrary absolute int64 positions."""
 
     def __init__(
         self,
@@ -139,17 +133,6 @@ class RotaryEmbedding(nn.Module):
         # meta-device construction in the loader.
         self.inv_freq = inv_freq
         self._inv_freq_by_device: dict[torch.device, Tensor] = {}
-        self._table: Tensor | None = None  # [positions, 2 * head_dim]: cos | sin (cache_positions)
-
-    def cache_positions(self, num_positions: int, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Precompute cos | sin of positions 0 .. num_positions - 1 on `device` in `dtype`:
-        `forward` on positions of that device and dtype then gathers rows, the same bits as
-        computing them (each row is computed as `forward` computes that position, elementwise).
-        The caller keeps every position below `num_positions` (the engine: max_model_len +
-        the rows a step reserves); a gather past the table is out of bounds."""
-        self._table = None
-        cos, sin = self.forward(torch.arange(num_positions, device=device), dtype)
-        self._table = torch.cat((cos, sin), dim=-1)
 
     def _inv_freq_on(self, device: torch.device) -> Tensor:
         if device not in self._inv_freq_by_device:
@@ -157,11 +140,6 @@ class RotaryEmbedding(nn.Module):
         return self._inv_freq_by_device[device]
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        table = self._table
-        if GATHER_TABLE and table is not None and table.dtype == dtype and table.device == positions.device:
-            rows = table.index_select(0, positions)
-            d = table.shape[1] // 2
-            return rows[:, :d], rows[:, d:]
         freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling

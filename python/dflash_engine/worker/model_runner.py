@@ -81,14 +81,8 @@ class ModelRunner:
         elif tp is None:
             for line in install_cpu_backend(target, draft, rc.cpu_weights):
                 logger.info(line)
-        if use_kernels(target.model.embed_tokens.weight):  # the GPU path: fewer launches per step
-            for model in (target, draft):  # cos/sin gathered from a table of every reachable position
-                if model is not None:
-                    model.rotary.cache_positions(rc.max_model_len + rc.reserve_rows, rc.device,
-                                                 model.model.embed_tokens.weight.dtype if model is target
-                                                 else model.fc.weight.dtype)
-            if draft is not None and tp is None and not rc.batch_invariant:
-                draft.stack_context_weights()  # the context write: one GEMM + one launch for every layer
+        if draft is not None and tp is None and not rc.batch_invariant and use_kernels(draft.fc.weight):
+            draft.stack_context_weights()  # the context write: one GEMM + one launch for every layer
         rates = None if rc.synthetic_rates is None else torch.tensor(rc.synthetic_rates, dtype=torch.float64,
                                                                      device=rc.device)
         self.models = StepModels(target=target, draft=draft, kv=None, tap_layers=list(rc.tap_layers or []) or None,
