@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 import httpx
 import pytest
@@ -85,9 +86,10 @@ def test_outputs_come_one_step_late_and_the_last_ones_are_flushed(qwen3_dir):
     assert e.has_unfinished_requests()
     outs = e.step()
     assert [len(o.new_token_ids) for o in outs] == [1]
-    e.step()  # commits the 3rd token (the core finishes the request): its output is pending
-    assert e.scheduler.num_live == 0 and e.has_unfinished_requests()
-    last = e.step()  # nothing to run: the pending output comes at once
+    e.step()  # launches the 3rd token's step and returns with it in flight
+    assert e.scheduler.num_live == 1 and e.has_unfinished_requests()
+    last = e.step()  # lands it (the core finishes the request), nothing to run: its output comes at once
+    assert e.scheduler.num_live == 0
     assert [o.finished for o in last] == [True] and len(last[0].outputs[0].token_ids) == 3
     assert not e.has_unfinished_requests() and e.step() == []
 
@@ -119,13 +121,32 @@ def test_abort_while_the_result_is_pending_keeps_its_tokens(qwen3_dir, steps):
     assert on == off and on[1] == "abort"
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_callers_work_between_steps_is_not_in_the_hosts_gap(qwen3_dir, overlap):
+    """Overlapped, step() returns with the next step in flight, so what the caller does
+    before the next call (the server's admissions, aborts, stats) runs while the device
+    works: the host path's between_steps phase (worker/host_path.py) does not see it. The
+    synchronous step returns at a boundary, and the caller's 20 ms are in every gap."""
+    e = engine(str(qwen3_dir), overlap=overlap, max_num_seqs=2)
+    e.add_request("a", prompts(1)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while e.has_unfinished_requests():
+        e.step()
+        time.sleep(0.02)
+    s = e.stats()
+    assert s.step_host_gaps >= 5
+    if overlap:
+        assert s.step_host_seconds["between_steps"] < 0.005
+    else:
+        assert s.step_host_seconds["between_steps"] >= 0.019 * s.step_host_gaps
+
+
 def test_abort_of_a_request_finished_in_the_pending_step(qwen3_dir):
     e = engine(str(qwen3_dir))
     e.add_request("a", prompts(1)[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     e.step()
-    e.step()  # the 2nd token is committed, the core has finished 'a'; its output is pending
-    assert e.scheduler.handle_of("a") is None
-    out = e.abort_request("a")
+    e.step()  # the 2nd token's step is in flight: the abort lands it, the core finishes 'a' then
+    assert e.scheduler.handle_of("a") is not None
+    out = e.abort_request("a")  # ('a' finished by the landed step, its output still pending)
     assert out is not None and out.finished and len(out.outputs[0].token_ids) == 2
     assert not e.has_unfinished_requests() and e.step() == []
     assert e.abort_request("a") is None

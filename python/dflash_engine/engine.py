@@ -1,11 +1,15 @@
 """LLMEngine: schedule (Rust) -> launch (torch) -> wait -> commit (Rust) -> outputs.
 
 The host overlaps the device (`overlap=False` or `DFLASH_OVERLAP=0` turn it off): a step
-schedules and launches step N+1 from step N's committed state (so drafting never misses
-N's acceptance), then, while the device runs N+1, turns N's committed result into outputs
-(detokenise, stop strings, RequestOutputs, and the async engine's hand-off to streams via
-`output_sink`); then it waits for N+1 and commits it, keeping its result pending. Outputs
-come one step late; a step with nothing to run returns the pending ones at once.
+waits for the step in flight (launched by the previous call) and commits it, schedules and
+launches the next one from that committed state (so drafting never misses its acceptance),
+then, while the device runs it, turns the committed result into outputs (detokenise, stop
+strings, RequestOutputs, and the async engine's hand-off to streams via `output_sink`) and
+returns with the new step still in flight. So the caller's work between two calls (the
+server's admissions, aborts, stats) also runs during device time, not in the device's idle
+gap. Outputs come one step late; a step with nothing to run returns the pending ones at once.
+Anything that changes the core between calls (`abort_request`, turning `overlap` off) first
+lands the step in flight, so it sees the state of a step boundary.
 
 Not thread-safe: one thread drives `step()`; the async engine serialises add/abort.
 """
@@ -143,6 +147,9 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._stats = EngineStats(spec_accepted_per_pos=[0] * self.num_speculative_tokens)
         self.fault_injector: FaultInjector | None = None
+        self._pending = None  # the latest step's committed result, not yet turned into outputs
+        self._flight = None  # (plan, InFlight): the step the last overlapped call launched, not yet landed
+        self._carried: list[RequestOutput] = []  # outputs of a step that failed while landed between calls
         # Process step N's outputs while the device runs step N+1 (module doc): the step
         # function is chosen here (and where `overlap` is set), not in every step.
         self.step: Callable[[], list[RequestOutput]]
@@ -150,7 +157,6 @@ class LLMEngine:
         # When set, outputs ready during a step's device time go here at once (from the
         # stepping thread) rather than into step()'s return value.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
-        self._pending = None  # the latest step's committed result, not yet turned into outputs
         self._sampling_cache = None  # (plan key, per-row sampling arrays): _sampling_arrays
         self._spec_backlog: list[tuple[np.ndarray, np.ndarray]] = []  # committed, not yet in _stats
 
@@ -160,6 +166,8 @@ class LLMEngine:
 
     @overlap.setter
     def overlap(self, on: bool) -> None:
+        if not on:
+            self._land_flight()  # the synchronous step starts from a step boundary
         self.step = self._step_overlapped if on else self._step_sync
 
     @classmethod
@@ -231,6 +239,7 @@ class LLMEngine:
         self._stats.prompt_tokens += len(ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        self._land_flight()  # (its tokens then go into the abort's output, as at any boundary)
         handle = self.scheduler.handle_of(request_id)
         if handle is not None:
             self.scheduler.abort(handle)
@@ -259,11 +268,19 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------
     def _step_overlapped(self) -> list[RequestOutput]:
-        """Schedule and launch step N+1, build step N's outputs while the device runs it,
-        then wait for N+1 and commit it (its outputs come with the next step)."""
+        """Land the step in flight, schedule and launch the next from its committed state,
+        build the landed step's outputs while the device runs the new one, and return with
+        it in flight (the next call, or `_land_flight`, waits for it)."""
         host = self.runner.step_timer.host  # the host's part of the gap between steps (host_path.py)
-        host.mark("between_steps")
-        plan = self.scheduler.schedule()  # from the committed state: the previous step is in it
+        host.mark("between_steps")  # (a gap is open here only if a flight was landed between calls)
+        if self._flight is not None:
+            plan, flight = self._flight
+            self._flight = None
+            try:
+                self._pending = self._land(plan, flight)
+            except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
+                return self._take_outputs() + self._recover(plan, e)
+        plan = self.scheduler.schedule()  # from the committed state: the landed step is in it
         host.mark("schedule")
         if plan is None:
             self.runner.step_timer.pause()  # nothing to run: the wait until the next step is not idle time
@@ -272,19 +289,32 @@ class LLMEngine:
             flight = self._launch(plan)
         except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
             return self._take_outputs() + self._recover(plan, e)
+        self._flight = (plan, flight)
         t0 = time.perf_counter()
         try:
             outputs = self._emit(self._take_outputs())
         except BaseException:
+            self._flight = None
             self._abandon(plan, flight)
             raise
         host.overlapped += time.perf_counter() - t0
+        if not self._requests:  # every request finished on the host (a stop string): nothing to wait for
+            self._land_flight()
+        return outputs
+
+    def _land_flight(self) -> None:
+        """Wait for the step in flight, if any, and commit it (its outputs come with the next
+        step, or the next abort's): the core is then at a step boundary. A step that fails
+        here is recovered as in a step; its outputs come with the next step."""
+        if self._flight is None:
+            return
+        plan, flight = self._flight
+        self._flight = None
+        assert self._pending is None, "a step in flight with an earlier result still pending"
         try:
             self._pending = self._land(plan, flight)
         except Exception as e:  # noqa: BLE001
-            return outputs + self._take_outputs() + self._recover(plan, e)
-        host.mark("return")
-        return outputs
+            self._carried = self._take_outputs() + self._recover(plan, e)  # (the earlier carried included)
 
     def _step_sync(self) -> list[RequestOutput]:
         """Schedule, launch, wait, commit, then build this step's outputs."""
@@ -339,7 +369,8 @@ class LLMEngine:
             c = self._live_costs.startup
             self.scheduler.set_step_costs(c.buckets, c.ks, table)
         result, self._pending = self._pending, None
-        return self._process(result) if result is not None else []
+        carried, self._carried = self._carried, []
+        return carried + (self._process(result) if result is not None else [])
 
     def _emit(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         if self.output_sink is None or not outputs:
