@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=15)
     ap.add_argument("--steps", type=int, default=100, help="timed steps (at K = 15 ~8 tokens each: 2k context)")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048,
+                    help="the page tables' width in the graph runner's buffers (the server's default: 8192)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-overlap", action="store_true", help="the synchronous step")
     ap.add_argument("--graph-runner", nargs=2, metavar=("TARGET_DIR", "DRAFT_DIR"), default=None,
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.graph_runner[0]
         if args.k:
             spec["model"] = args.graph_runner[1]
-    max_len = 2048  # a pool that holds every request whole: no preemption in the timed steps
+    max_len = args.max_model_len  # a pool that holds every request whole: no preemption in the timed steps
     engine = LLMEngine(EngineConfig(model=model, speculative_config=spec, max_num_seqs=args.c,
                                     max_model_len=max_len, device="cpu", dtype="float32",
                                     num_gpu_blocks_override=args.c * (max_len // 16 + 2)))

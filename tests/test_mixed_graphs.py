@@ -105,6 +105,34 @@ def test_a_mixed_plan_is_staged_with_padding_blocks_apart_from_real_rows():
     assert list(v["d_seq_lens"][:bs]) == [11, 21, 31, 0]
 
 
+def test_staged_page_tables_are_each_plans_own_and_the_null_page_elsewhere():
+    """Staging writes a plan's page tables and zeroes only what the previous plan covered and
+    this one does not (not every row's whole width): after any sequence of plans of varying
+    requests and table widths, decode and mixed, the staged tables are exactly this plan's,
+    with the null page (0) everywhere else -- what a padding request and a table's tail read."""
+    b, d = 3, 4
+    g = runner(b, d)
+    rng = np.random.default_rng(5)
+    full = g._view(g.host_i64, "pages").numpy()
+    st = None
+    for _ in range(60):
+        rd = int(rng.integers(1, 9))
+        chunks = [(0, int(rng.integers(1, 6)), True)] * int(rng.integers(0, 3)) if rd <= 4 else []
+        p = make(b, [10] * rd, chunks, d)
+        width = int(rng.integers(1, g.width + 1))
+        p.page_tables = rng.integers(1, 1000, size=(len(p), width)).astype(np.int32)
+        n = len(p.sample_rows)
+        st = {"top_k": np.ones(n, np.int64), "seed": np.zeros(n, np.int64), "greedy": np.ones(n, bool),
+              "temperature": np.ones(n, np.float32), "top_p": np.ones(n, np.float32), "min_p": np.zeros(n, np.float32)}
+        pb = g.mixed_bucket(p) if chunks else 0
+        g._stage(p, st, g.bucket(rd), pb or 0)
+        want = np.zeros_like(full).reshape(-1, g.width)
+        want[:len(p), :width] = p.page_tables
+        assert (full.reshape(-1, g.width) == want).all()
+    g.reset_inputs()
+    assert (full == 0).all() and g._pages_used == (0, 0)
+
+
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter mode is for machines without a GPU")
 
 

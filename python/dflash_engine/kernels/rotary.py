@@ -189,20 +189,9 @@ def cache_fits(k_cache: Tensor, v_cache: Tensor, k_dtype: torch.dtype, v_dtype: 
                for c, dt in ((k_cache, k_dtype), (v_cache, v_dtype)))
 
 
-def qk_norm_rope_store(
-    qkv: Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    cos: Tensor,
-    sin: Tensor,
-    q_norm_weight: Tensor | None,
-    k_norm_weight: Tensor | None,
-    eps: float,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-) -> Tensor:
+def qk_norm_rope_store(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: Tensor, sin: Tensor,
+                       q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float,
+                       k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Tensor:
     """`qk_norm_rope` whose K and V rows go straight into the paged caches at `slot_mapping`
     (int64 flat slots; a negative slot writes nothing), as `kv_store.store_kv` would write
     them, in the same launch: -> q [T, H, D]. The caches must `cache_fits` the rows."""

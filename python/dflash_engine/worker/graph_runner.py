@@ -160,6 +160,11 @@ class GraphRunner:
         self._np = {name: self._view(self.host_i64, name).numpy() for name, _ in self.fields}
         self._np_f32 = self.host_f32.numpy()
         self._np_out = self.host_out.numpy()
+        # The page tables as [requests, width] rows (every bucket's rows are a prefix), and the
+        # extent the last staging wrote: everything outside it is the null page (0), so staging
+        # zeroes only what the last plan covered and this one does not, not every row's width.
+        self._pages = self._np["pages"].reshape(nr, self.width)
+        self._pages_used = (0, 0)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bs, P (0: decode), all greedy)
         self.steps = {"decode": 0, "mixed": 0}  # steps this runner ran, by kind
         self.pool = None  # a graph memory pool, shared by every runner of the model runner
@@ -233,9 +238,11 @@ class GraphRunner:
         put("slots", plan.slot_mapping, rows, n, -1)
         put("qsl", plan.query_start_loc, r + 1, nr + 1, rows)
         put("seq_lens", plan.seq_lens, r, nr, 0)
-        pages = v["pages"][:nr * self.width].reshape(nr, self.width)
-        pages[:] = 0
-        pages[:r, :plan.page_tables.shape[1]] = plan.page_tables
+        pages, (pr, pw), w = self._pages, self._pages_used, plan.page_tables.shape[1]
+        pages[:r, :w] = plan.page_tables
+        pages[r:pr, :pw] = 0
+        pages[:min(r, pr), w:pw] = 0
+        self._pages_used = (r, w)
         slot_of = None
         if p:
             # Decoding slot i's block: rows i*B.. (real) or distinct padding rows from `rows` on.
@@ -353,6 +360,7 @@ class GraphRunner:
         for name in ("greedy", "top_k"):
             self._view(self.host_i64, name).numpy()[:] = 1
         self.host_f32.numpy()[:] = 1.0
+        self._pages_used = (0, 0)
         self.dev_i64.copy_(self.host_i64)
         self.dev_f32.copy_(self.host_f32)
 

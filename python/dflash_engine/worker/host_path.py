@@ -10,14 +10,14 @@ host's side of it into what the host does there, in order:
                      also the outputs: detokenising, request state)
     between_steps    step() returned -> the next step() call: the caller's work (the server's
                      EngineLoop: new requests, aborts, the stats snapshot)
-
-The overlapped step waits for its step at the start of the next call, so "return" and
-"between_steps" run while the device works and count only in the synchronous step, or
-when something between two calls landed the step in flight (an abort: engine.py).
     schedule         the core's schedule
     sampling_arrays  the per-row sampling parameters of the plan
     stage            the runner's launch up to the first device launch (graph choice, packing
                      the plan into the pinned buffers)
+
+The overlapped step waits for its step at the start of the next call, so "return" and
+"between_steps" run while the device works: they count only in the synchronous step, or
+when something between two calls landed the step in flight (an abort: engine.py).
 
 The device-side idle minus the sum of these is what the host does not see: the wake-up after
 the device finished (event synchronisation), the launch latency, and host work overlapped with
