@@ -164,6 +164,27 @@ def test_stop_string_found_while_the_next_step_runs(qwen3_dir):
     assert summary(on)["1"][2] == "stop" and summary(on)["0"] == summary(base)["0"]
 
 
+def test_a_stop_string_that_empties_the_engine_lands_its_flight_and_opens_no_gap(qwen3_dir):
+    """The last request stops on a stop string found while its next step is in flight: the
+    engine lands that step at once (nothing left to wait for later) and counts no host gap
+    across the idle time before the next request."""
+    e = engine(str(qwen3_dir), max_num_seqs=2)
+    prompt = prompts(3, seed=4)[1]  # (its greedy text decodes to whole characters early on)
+    text = summary(drive(engine(str(qwen3_dir), overlap=False), [prompt], GREEDY))["0"][1]
+    e.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[text[3:5]]))
+    outs = []
+    while e.has_unfinished_requests():
+        outs += e.step()
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
+    assert e._flight is None and e.scheduler.num_live == 0  # landed, the core at rest
+    before = e.stats().step_host_seconds["between_steps"]
+    time.sleep(0.3)
+    e.add_request("b", prompts(1)[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.stats().step_host_seconds["between_steps"] - before < 0.1
+
+
 class Faults(FaultInjector):
     """Request '1' fails while its output is processed; any step holding request '3' raises."""
 

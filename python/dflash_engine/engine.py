@@ -300,6 +300,7 @@ class LLMEngine:
         host.overlapped += time.perf_counter() - t0
         if not self._requests:  # every request finished on the host (a stop string): nothing to wait for
             self._land_flight()
+            self.runner.step_timer.pause()  # idle now: the wait for the next request is no gap
         return outputs
 
     def _land_flight(self) -> None:
