@@ -23,13 +23,15 @@ PLAN_FIELDS = (
 
 def bench(num_reqs: int, block_rows: int, steps: int, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
+    # Long enough for every timed step: at most 3 tokens a step, 128 prompt tokens.
+    max_len = 128 + 3 * (steps + 20) + 2 * block_rows
     s = _core.Scheduler(
-        num_pages=num_reqs * 232 + 8, page_size=16, max_num_seqs=num_reqs,
-        max_num_batched_tokens=max(num_reqs * block_rows, 8192), max_model_len=4096,
+        num_pages=num_reqs * (max_len // 16 + 2) + 8, page_size=16, max_num_seqs=num_reqs,
+        max_num_batched_tokens=max(num_reqs * block_rows, 8192), max_model_len=max_len,
         num_speculative_tokens=block_rows - 1, mask_token_id=1,
     )
     for i in range(num_reqs):
-        s.add_request(f"r{i}", np.arange(128, dtype=np.int64) + 5, 3500)
+        s.add_request(f"r{i}", np.arange(128, dtype=np.int64) + 5, max_len - 128)
     while True:  # prefill everything (chunked by the token budget)
         p = s.schedule()
         decoding = int((p.num_drafts > 0).sum())
