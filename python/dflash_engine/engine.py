@@ -273,13 +273,7 @@ class LLMEngine:
         it in flight (the next call, or `_land_flight`, waits for it)."""
         host = self.runner.step_timer.host  # the host's part of the gap between steps (host_path.py)
         host.mark("between_steps")  # (a gap is open here only if a flight was landed between calls)
-        if self._flight is not None:
-            plan, flight = self._flight
-            self._flight = None
-            try:
-                self._pending = self._land(plan, flight)
-            except Exception as e:  # noqa: BLE001  (a failed step must not take the engine down)
-                return self._take_outputs() + self._recover(plan, e)
+        self._land_flight()  # (a step that failed there is recovered; its outputs come below)
         plan = self.scheduler.schedule()  # from the committed state: the landed step is in it
         host.mark("schedule")
         if plan is None:
@@ -305,8 +299,8 @@ class LLMEngine:
 
     def _land_flight(self) -> None:
         """Wait for the step in flight, if any, and commit it (its outputs come with the next
-        step, or the next abort's): the core is then at a step boundary. A step that fails
-        here is recovered as in a step; its outputs come with the next step."""
+        `_take_outputs`): the core is then at a step boundary. A step that fails here is
+        recovered (its requests retried one by one); those outputs come the same way."""
         if self._flight is None:
             return
         plan, flight = self._flight

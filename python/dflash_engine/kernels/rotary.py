@@ -101,11 +101,14 @@ def _check(qkv: Tensor, h: int, kv: int, d: int, cos: Tensor, sin: Tensor) -> tu
         raise ValueError(f"qkv width {qkv.shape[1]} != (H + 2*KV) * D = {(h + 2 * kv) * d}")
     if d % 2:
         raise ValueError("head_dim must be even")
+    return (qkv if qkv.stride(1) == 1 else qkv.contiguous(), *_check_cos_sin(cos, sin, t, d))
+
+
+def _check_cos_sin(cos: Tensor, sin: Tensor, t: int, d: int) -> tuple[Tensor, Tensor]:
+    """cos/sin of T rows, [T, D] or [T, D/2], with unit stride along the last dim."""
     if cos.shape != sin.shape or cos.shape[0] != t or cos.shape[-1] not in (d, d // 2):
         raise ValueError(f"cos/sin shape {tuple(cos.shape)} must be [T, D] or [T, D/2]")
-    if qkv.stride(1) != 1:
-        qkv = qkv.contiguous()
-    return qkv, cos if cos.stride(-1) == 1 else cos.contiguous(), sin if sin.stride(-1) == 1 else sin.contiguous()
+    return cos if cos.stride(-1) == 1 else cos.contiguous(), sin if sin.stride(-1) == 1 else sin.contiguous()
 
 
 def result_dtypes(qkv: Tensor, cos: Tensor, q_norm_weight: Tensor | None, k_norm_weight: Tensor | None
@@ -256,14 +259,11 @@ def context_kv_store(kv_rows: Tensor, cos: Tensor, sin: Tensor, k_norm_weights: 
         raise ValueError("each slot's KV x D block of the caches must be contiguous")
     if k_norm_weights is not None and tuple(k_norm_weights.shape) != (n_layers, d):
         raise ValueError(f"k_norm_weights {tuple(k_norm_weights.shape)} must be [{n_layers}, {d}]")
-    if cos.shape != sin.shape or cos.shape[0] != t or cos.shape[-1] not in (d, d // 2):
-        raise ValueError(f"cos/sin shape {tuple(cos.shape)} must be [T, D] or [T, D/2]")
+    cos, sin = _check_cos_sin(cos, sin, t, d)
     if slot_mapping.shape[0] < t:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {t} rows")
     if t == 0:
         return
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     kw = cos if k_norm_weights is None else k_norm_weights.contiguous()  # (never read without a norm)
     half, hb = _half_and_block(kv, kv, d)
     grid = (t, n_layers * 2 * triton.cdiv(kv, hb))
