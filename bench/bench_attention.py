@@ -1,0 +1,189 @@
+"""The paged attention kernel (kernels/attention.py) alone, at the Qwen3-8B verify and draft
+shapes (32 q / 8 KV heads of 128, 16 query rows per request, context 1024), against its own
+tile variants and a contiguous-K/V reference (issue 22: attention is 14% of the c = 32 step
+at ~100 TFLOP/s; 0.56 ms of the c = 1 step with its combine):
+
+    python bench/bench_attention.py [--c 1,8,32] [--context 1024] [--sweep] [--json out.json]
+
+Each configuration is timed inside a CUDA graph over enough copies of the K/V cache (>= 512
+MB) that every key is read from HBM, as in a step (each layer's cache read once). Reports us
+per call, the K/V read rate (GB/s) and the attention TFLOP/s (4 x heads x head_dim per
+visible (row, key) pair). `--sweep` adds tile variants: BLOCK_N, warps and pipeline stages
+(monkeypatched `_pick_blocks` / `_launch_config`), and page sizes 16 / 64 / whole-context
+(the page-table gather against none). The reference is torch's SDPA (flash backend, GQA) on
+contiguous K/V, the same rows and keys, non-causal. Without a GPU it runs a smoke pass on
+tiny sizes under the interpreter (numbers meaningless).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+from dflash_engine.kernels import attention as attn  # noqa: E402
+
+
+def time_graph_us(fn_for, copies: int, cuda: bool, passes: int = 3, replays: int = 5) -> float:
+    """Median us per call of fn_for(i) captured `passes` x `copies` times in one graph."""
+    for i in range(copies):
+        fn_for(i)  # compile and warm outside the capture
+    if not cuda:
+        t0 = time.perf_counter()
+        for i in range(copies):
+            fn_for(i)
+        return (time.perf_counter() - t0) / copies * 1e6
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
+        for _ in range(passes):
+            for i in range(copies):
+                fn_for(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (passes * copies))
+    return statistics.median(times)
+
+
+class Case:
+    """One call's inputs: c requests of q_len rows over `context` committed keys, `copies`
+    caches (one per simulated layer), page size `page`."""
+
+    def __init__(self, c, q_len, context, page, n_heads, n_kv, head_dim, dtype, device, min_bytes):
+        self.c, self.q_len, self.seq = c, q_len, context + q_len
+        pages_per = -(-self.seq // page)
+        kv_bytes = 2 * c * pages_per * page * n_kv * head_dim * dtype.itemsize
+        self.copies = max(1, -(-min_bytes // kv_bytes))
+        self.kv_bytes = kv_bytes
+        self.caches = []
+        for _ in range(self.copies):
+            kc = torch.randn(c * pages_per + 1, page, n_kv, head_dim, dtype=dtype, device=device)
+            self.caches.append((kc, torch.randn_like(kc)))
+        # Each request's pages in a shuffled order (a real pool is not contiguous).
+        perm = torch.randperm(c * pages_per, device=device).to(torch.int32) + 1
+        self.table = perm.view(c, pages_per).contiguous()
+        self.q = torch.randn(c * q_len, n_heads, head_dim, dtype=dtype, device=device)
+        self.out = torch.empty_like(self.q)
+        self.qsl = torch.arange(0, c * q_len + 1, q_len, dtype=torch.int32, device=device)
+        self.lens = torch.full((c,), self.seq, dtype=torch.int32, device=device)
+        self.scale = head_dim ** -0.5
+
+    def run(self, i, causal):
+        kc, vc = self.caches[i]
+        attn.paged_attention(self.q, kc, vc, self.qsl, self.lens, self.table, self.scale, causal,
+                             self.q_len, out=self.out)
+
+    def flops(self, n_heads, head_dim, causal):
+        pairs = self.q_len * (self.seq - self.q_len) + (self.q_len * (self.q_len + 1) // 2 if causal
+                                                        else self.q_len * self.q_len)
+        return 4 * n_heads * head_dim * pairs * self.c
+
+
+def patched(block_n=None, warps=None, stages=None):
+    """Context: the kernel's tile choice with BLOCK_N / warps / stages replaced."""
+    pick, launch = attn._pick_blocks, attn._launch_config
+
+    class _Ctx:
+        def __enter__(self):
+            if block_n is not None:
+                attn._pick_blocks = lambda *a: (*pick(*a)[:2], block_n)
+            if warps is not None or stages is not None:
+                def cfg(*a):
+                    w, s = launch(*a)
+                    return (warps or w, stages or s)
+                attn._launch_config = cfg
+
+        def __exit__(self, *exc):
+            attn._pick_blocks, attn._launch_config = pick, launch
+    return _Ctx()
+
+
+def sdpa_us(case, n_heads, n_kv, head_dim, dtype, device, cuda):
+    """torch SDPA (flash, GQA) over contiguous K/V of the same rows and keys, non-causal."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(case.c, n_heads, case.q_len, head_dim, dtype=dtype, device=device)
+    kvs = [(torch.randn(case.c, n_kv, case.seq, head_dim, dtype=dtype, device=device),) * 2
+           for _ in range(case.copies)]
+    backend = SDPBackend.FLASH_ATTENTION if cuda else SDPBackend.MATH
+
+    def fn(i):
+        with sdpa_kernel(backend):
+            torch.nn.functional.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True)
+    return time_graph_us(fn, case.copies, cuda)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--c", default="1,8,32")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--q-len", type=int, default=16)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        n_heads, n_kv, head_dim, dtype, context, min_bytes = 32, 8, 128, torch.bfloat16, args.context, 512 << 20
+        pages = [16, 64, None] if args.sweep else [16]
+    else:
+        n_heads, n_kv, head_dim, dtype, context, min_bytes = 4, 2, 32, torch.float32, 64, 0
+        pages = [16]
+    variants = [("default", {})]
+    if args.sweep and cuda:
+        for bn in (32, 64, 128):
+            for w in (4, 8):
+                for s in (2, 3, 4):
+                    variants.append((f"BLOCK_N {bn}, {w} warps, {s} stages", dict(block_n=bn, warps=w, stages=s)))
+    rows = []
+    for c in [int(x) for x in args.c.split(",")]:
+        for page in pages:
+            pg = page or (context + args.q_len)
+            case = Case(c, args.q_len, context, pg, n_heads, n_kv, head_dim, dtype, device, min_bytes)
+            for causal in (True, False):
+                kind = "verify (causal)" if causal else "draft (non-causal)"
+                for name, kw in variants if page == 16 else variants[:1]:
+                    try:
+                        with patched(**kw):
+                            us = time_graph_us(lambda i: case.run(i, causal), case.copies, cuda)
+                    except Exception as e:  # noqa: BLE001 (a variant out of shared memory: recorded, not fatal)
+                        print(f"c={c} page={pg} {kind} {name}: failed: {str(e).splitlines()[0][:120]}")
+                        continue
+                    r = dict(c=c, page=pg, kind=kind, variant=name, us=us,
+                             gbs=case.kv_bytes / us / 1e3, tflops=case.flops(n_heads, head_dim, causal) / us / 1e6)
+                    rows.append(r)
+                    print(f"c={c:>3} page={pg:>5} {kind:<19} {name:<32} {us:8.1f} us  "
+                          f"{r['gbs']:7.0f} GB/s  {r['tflops']:6.1f} TFLOP/s", flush=True)
+            if page == 16:
+                us = sdpa_us(case, n_heads, n_kv, head_dim, dtype, device, cuda)
+                r = dict(c=c, page=None, kind="sdpa contiguous (non-causal)", variant="torch flash", us=us,
+                         gbs=case.kv_bytes / us / 1e3, tflops=case.flops(n_heads, head_dim, False) / us / 1e6)
+                rows.append(r)
+                print(f"c={c:>3} {'contiguous':>10} sdpa flash (GQA, non-causal)        {us:8.1f} us  "
+                      f"{r['gbs']:7.0f} GB/s  {r['tflops']:6.1f} TFLOP/s", flush=True)
+            del case
+            if cuda:
+                torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)", rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
