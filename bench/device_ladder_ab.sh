@@ -12,6 +12,7 @@ for round in $(seq 1 ${ROUNDS:-2}); do
     for side in A B; do
         dir=${!side}
         echo "== round $round, $side ($dir)" | tee -a "$FINAL/ladder_ab.txt"
-        (cd "$ROOT/$dir" && OUT=$FINAL/${side}_$round bash bench/device_ladder.sh 2>&1) | tee -a "$FINAL/ladder_ab.txt"
+        (cd "$ROOT/$dir" && OUT=/tmp/ladder_ab/${side}_$round bash bench/device_ladder.sh 2>&1) | tee -a "$FINAL/ladder_ab.txt"
     done
 done
+tar czf "$FINAL/ladder_ab_raw.tgz" -C /tmp/ladder_ab .   # (a call returns few files: one archive)
