@@ -3,7 +3,7 @@ shapes (32 q / 8 KV heads of 128, 16 query rows per request, context 1024), agai
 tile variants and a contiguous-K/V reference (issue 22: attention is 14% of the c = 32 step
 at ~100 TFLOP/s; 0.56 ms of the c = 1 step with its combine):
 
-    python bench/bench_attention.py [--c 1,8,32] [--context 1024] [--sweep] [--json out.json]
+    python bench/bench_attention.py [--c 1,8,32] [--context 1024] [--sweep] [--prefill 2048] [--json out.json]
 
 Each configuration is timed inside a CUDA graph over enough copies of the K/V cache (>= 512
 MB) that every key is read from HBM, as in a step (each layer's cache read once). Reports us
@@ -135,6 +135,7 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--q-len", type=int, default=16)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--prefill", type=int, default=0, help="also time one causal chunk of this many rows")
     ap.add_argument("--json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -147,11 +148,23 @@ def main():
         pages = [16]
     variants = [("default", {})]
     if args.sweep and cuda:
-        for bn in (32, 64, 128):
-            for w in (4, 8):
-                for s in (2, 3, 4):
-                    variants.append((f"BLOCK_N {bn}, {w} warps, {s} stages", dict(block_n=bn, warps=w, stages=s)))
+        for bn, w, s in [(32, 4, 3), (32, 4, 4), (32, 4, 5), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
+                         (128, 4, 2), (128, 4, 3), (128, 8, 3)]:
+            variants.append((f"BLOCK_N {bn}, {w} warps, {s} stages", dict(block_n=bn, warps=w, stages=s)))
     rows = []
+    if args.prefill:  # one causal chunk from an empty context: the 128-row prefill tiles
+        case = Case(1, args.prefill, 0, 16, n_heads, n_kv, head_dim, dtype, device, min_bytes)
+        for name, kw in variants:
+            try:
+                with patched(**kw):
+                    us = time_graph_us(lambda i: case.run(i, True), case.copies, cuda)
+            except Exception as e:  # noqa: BLE001
+                print(f"prefill {name}: failed: {str(e).splitlines()[0][:120]}")
+                continue
+            rows.append(dict(c=1, page=16, kind=f"prefill {args.prefill}", variant=name, us=us,
+                             tflops=case.flops(n_heads, head_dim, True) / us / 1e6))
+            print(f"prefill {args.prefill} rows {name:<32} {us:8.1f} us  {rows[-1]['tflops']:6.1f} TFLOP/s", flush=True)
+        case = None  # (frees the caches before the next case)
     for c in [int(x) for x in args.c.split(",")]:
         for page in pages:
             pg = page or (context + args.q_len)
@@ -177,7 +190,7 @@ def main():
                 rows.append(r)
                 print(f"c={c:>3} {'contiguous':>10} sdpa flash (GQA, non-causal)        {us:8.1f} us  "
                       f"{r['gbs']:7.0f} GB/s  {r['tflops']:6.1f} TFLOP/s", flush=True)
-            del case
+            case = None  # (frees the caches before the next case)
             if cuda:
                 torch.cuda.empty_cache()
     if args.json:

@@ -121,6 +121,14 @@ EXACT_SPLIT_KEYS = 512
 
 
 @triton.jit
+def _tile_of(i, skip_lo, n_skip, SKIP: tl.constexpr):
+    """The key tile a loop index visits: with SKIP, indices from skip_lo on jump n_skip tiles."""
+    if SKIP:
+        return tl.where(i < skip_lo, i, i + n_skip)
+    return i
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, q_pos,
     tile_lo, tile_hi, skip_lo, skip_hi, kv_lo, kv_end, window,
@@ -140,18 +148,22 @@ def _attend_tiles(
     n_skip = 0
     if WINDOWED and MASKED:
         n_skip = skip_hi - skip_lo
+    # The block-table entries of a tile are loaded one iteration ahead and carried: a K/V
+    # address that depends on a load in its own iteration makes Triton's pipeliner wait for
+    # every copy in flight at the top of each iteration below 5 stages (no overlap of a
+    # tile's K/V read with the previous tile's math). Any page beyond kv_end reads as 0.
+    skip: tl.constexpr = WINDOWED and MASKED
+    pos_next = _tile_of(tile_lo, skip_lo, n_skip, skip) * BLOCK_N + offs_n
+    next_page = tl.load(bt_row_ptr + pos_next // PAGE, mask=pos_next < kv_end, other=0)
     for i in range(tile_lo, tile_hi - n_skip):
-        tile = i
-        if WINDOWED and MASKED:
-            tile = tl.where(i < skip_lo, i, i + n_skip)
-        k_pos = tile * BLOCK_N + offs_n
+        k_pos = pos_next
+        page = next_page.to(tl.int64)
+        pos_next = _tile_of(i + 1, skip_lo, n_skip, skip) * BLOCK_N + offs_n
+        next_page = tl.load(bt_row_ptr + pos_next // PAGE, mask=pos_next < kv_end, other=0)
         if MASKED:
             in_range = k_pos < kv_end
             if WINDOWED:
                 in_range = in_range & (k_pos >= kv_lo)
-            page = tl.load(bt_row_ptr + k_pos // PAGE, mask=in_range, other=0).to(tl.int64)
-        else:
-            page = tl.load(bt_row_ptr + k_pos // PAGE).to(tl.int64)
         off = (k_pos % PAGE).to(tl.int64)
         k_ptrs = k_base + page[:, None] * stride_kp + off[:, None] * stride_ks + offs_d[None, :] * stride_kd
         v_ptrs = v_base + page[:, None] * stride_vp + off[:, None] * stride_vs + offs_d[None, :] * stride_vd
