@@ -10,7 +10,8 @@ MB) that every key is read from HBM, as in a step (each layer's cache read once)
 per call, the K/V read rate (GB/s) and the attention TFLOP/s (4 x heads x head_dim per
 visible (row, key) pair). `--sweep` adds tile variants: BLOCK_N, warps and pipeline stages
 (monkeypatched `_pick_blocks` / `_launch_config`), and page sizes 16 / 64 / whole-context
-(the page-table gather against none). The reference is torch's SDPA (flash backend, GQA) on
+(the page-table gather against none), and at c <= 8 the context splits (fixed split_keys
+128 / 256 / 512, or none). The reference is torch's SDPA (flash backend, GQA) on
 contiguous K/V, the same rows and keys, non-causal. Without a GPU it runs a smoke pass on
 tiny sizes under the interpreter (numbers meaningless).
 """
@@ -84,10 +85,10 @@ class Case:
         self.lens = torch.full((c,), self.seq, dtype=torch.int32, device=device)
         self.scale = head_dim ** -0.5
 
-    def run(self, i, causal):
+    def run(self, i, causal, **split):
         kc, vc = self.caches[i]
         attn.paged_attention(self.q, kc, vc, self.qsl, self.lens, self.table, self.scale, causal,
-                             self.q_len, out=self.out)
+                             self.q_len, out=self.out, **split)
 
     def flops(self, n_heads, head_dim, causal):
         pairs = self.q_len * (self.seq - self.q_len) + (self.q_len * (self.q_len + 1) // 2 if causal
@@ -171,10 +172,14 @@ def main():
             case = Case(c, args.q_len, context, pg, n_heads, n_kv, head_dim, dtype, device, min_bytes)
             for causal in (True, False):
                 kind = "verify (causal)" if causal else "draft (non-causal)"
-                for name, kw in variants if page == 16 else variants[:1]:
+                split_variants = [(f"split_keys {n}", dict(split_keys=n)) for n in (128, 256, 512)]
+                split_variants.append(("one split", dict(num_splits=1)))
+                for name, kw in (variants + (split_variants if args.sweep and c <= 8 else [])
+                                 if page == 16 else variants[:1]):
+                    split = {k: kw.pop(k) for k in ("split_keys", "num_splits") if k in kw}
                     try:
                         with patched(**kw):
-                            us = time_graph_us(lambda i: case.run(i, causal), case.copies, cuda)
+                            us = time_graph_us(lambda i: case.run(i, causal, **split), case.copies, cuda)
                     except Exception as e:  # noqa: BLE001 (a variant out of shared memory: recorded, not fatal)
                         print(f"c={c} page={pg} {kind} {name}: failed: {str(e).splitlines()[0][:120]}")
                         continue
