@@ -11,7 +11,7 @@ per call, the K/V read rate (GB/s) and the attention TFLOP/s (4 x heads x head_d
 visible (row, key) pair). `--sweep` adds tile variants: BLOCK_N, warps and pipeline stages
 (monkeypatched `_pick_blocks` / `_launch_config`), and page sizes 16 / 64 / whole-context
 (the page-table gather against none), and at c <= 8 the context splits (fixed split_keys
-128 / 256 / 512, or none; the combine as a launch of its own). The reference is torch's SDPA (flash backend, GQA) on
+128 / 256 / 512, or none). The reference is torch's SDPA (flash backend, GQA) on
 contiguous K/V, the same rows and keys, non-causal. Without a GPU it runs a smoke pass on
 tiny sizes under the interpreter (numbers meaningless).
 """
@@ -96,10 +96,9 @@ class Case:
         return 4 * n_heads * head_dim * pairs * self.c
 
 
-def patched(block_n=None, warps=None, stages=None, fold=None):
-    """Context: the kernel's tile choice with BLOCK_N / warps / stages replaced; fold: the
-    splits' combine folded into the main kernel or launched apart (FOLD_COMBINE)."""
-    pick, launch, fold_was = attn._pick_blocks, attn._launch_config, getattr(attn, "FOLD_COMBINE", None)
+def patched(block_n=None, warps=None, stages=None):
+    """Context: the kernel's tile choice with BLOCK_N / warps / stages replaced."""
+    pick, launch = attn._pick_blocks, attn._launch_config
 
     class _Ctx:
         def __enter__(self):
@@ -110,13 +109,9 @@ def patched(block_n=None, warps=None, stages=None, fold=None):
                     w, s = launch(*a)
                     return (warps or w, stages or s)
                 attn._launch_config = cfg
-            if fold is not None:
-                attn.FOLD_COMBINE = fold
 
         def __exit__(self, *exc):
             attn._pick_blocks, attn._launch_config = pick, launch
-            if fold_was is not None:
-                attn.FOLD_COMBINE = fold_was
     return _Ctx()
 
 
@@ -179,8 +174,6 @@ def main():
                 kind = "verify (causal)" if causal else "draft (non-causal)"
                 split_variants = [(f"split_keys {n}", dict(split_keys=n)) for n in (128, 256, 512)]
                 split_variants.append(("one split", dict(num_splits=1)))
-                if hasattr(attn, "FOLD_COMBINE"):
-                    split_variants.append(("combine kernel (not folded)", dict(fold=False)))
                 for name, kw in (variants + (split_variants if args.sweep and c <= 8 else [])
                                  if page == 16 else variants[:1]):
                     split = {k: kw.pop(k) for k in ("split_keys", "num_splits") if k in kw}

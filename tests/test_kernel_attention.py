@@ -162,38 +162,6 @@ def test_combine_slices_a_wide_tile_qwen3_5_27b_geometry():
                   page_size=16)
 
 
-@pytest.mark.parametrize("mode", ["count", "split_keys", "exact", "window", "full"])
-def test_folded_combine_equals_the_combine_kernel_bit_for_bit(mode, monkeypatch):
-    """The splits' combine run by the last split of each (query block, KV head) gives the same
-    bits as the combine kernel, launches no combine kernel, and leaves its counters at zero
-    (the next call starts from them)."""
-    from dflash_engine.kernels import attention as A
-
-    query_lens, seq_lens = [8, 1, 0, 20, 16], [75, 140, 3, 60, 200]
-    causal = mode != "full"
-    q, k_cache, v_cache, meta = make_case(query_lens, seq_lens, n_kv=2, group=4, head_dim=32, page_size=8,
-                                          dtype=torch.float32, causal=causal, seed=11)
-    kw = {"count": dict(num_splits=3), "split_keys": dict(split_keys=64), "exact": dict(exact=True, split_keys=64),
-          "window": dict(num_splits=3, window=40), "full": dict(num_splits=4)}[mode]
-    combine = A._combine_splits_kernel
-    outs = []
-    for fold in (True, False):
-        monkeypatch.setattr(A, "FOLD_COMBINE", fold)
-        monkeypatch.setattr(A, "_combine_splits_kernel", None if fold else combine)  # None: a launch would fail
-        out = torch.full_like(q, float("nan"))
-        for _ in range(2):  # twice: the second call starts from the counters the first left
-            paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, table_of(meta), 0.17, causal,
-                            max(query_lens), out=out, **kw)
-        outs.append(out)
-        if fold:
-            assert int(A._fold_counter_buffers[q.device].abs().sum()) == 0
-    n = sum(query_lens)
-    assert torch.isfinite(outs[0][:n]).all() and torch.isnan(outs[0][n:]).all()
-    assert torch.equal(outs[0][:n], outs[1][:n])
-    ref = ref_paged_attention(q[:n], k_cache, v_cache, meta, 0.17, window=kw.get("window"))
-    assert rel_err(outs[0][:n], ref) < REL_TOL[torch.float32]
-
-
 def test_paged_attention_strided_q_and_default_out():
     q, k_cache, v_cache, meta = make_case([3, 6], [10, 40], n_kv=2, group=2, head_dim=32,
                                           page_size=8, dtype=torch.float32, causal=True)

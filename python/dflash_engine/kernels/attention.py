@@ -103,7 +103,6 @@ from .attention_splits import (
     _DECODE_SPLIT_TILES,
     MAX_SPLITS,
     _combine_splits_kernel,
-    _combine_tile,
     _row_splits,
     _window_lo,
     choose_num_splits,
@@ -205,7 +204,7 @@ def _attend_tiles(
 # compile stall of seconds in the middle of serving).
 @triton.jit(do_not_specialize=["num_q_blocks", "max_pages", "stride_bt", "part_rows", "window"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
     qk_scale, num_q_blocks, max_pages, part_rows, window,
     stride_qt, stride_qh, stride_qd,
@@ -216,7 +215,6 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, ALL_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FOLD: tl.constexpr, COMBINE_SUB_M: tl.constexpr, COMBINE_BLOCK_D: tl.constexpr,
 ):
     pid_rq = tl.program_id(0)  # request * num_q_blocks + query block
     kv_head = tl.program_id(1)
@@ -338,21 +336,6 @@ def _paged_attention_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + pidx, lse, mask=part_ok)
         tl.store(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=part_ok[:, None])
-        if FOLD:
-            # The combine folded in: the last of this (query block, KV head)'s live splits to
-            # finish (a ticket from its counter) combines them, instead of a second launch.
-            n_live = num_splits
-            if SPLIT_TILES > 0:  # fixed-size splits past the block's keys returned above
-                n_live = tl.minimum(num_splits, tl.cdiv(num_tiles, SPLIT_TILES) - lo_tile // SPLIT_TILES)
-            if n_live > 1:
-                tl.debug_barrier()  # every thread's partial stores issued before the release
-                counter = counter_ptr + pid_rq * tl.num_programs(1) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_live - 1:
-                    tl.store(counter, 0)  # zero again for the next launch
-                    _combine_tile(out_ptr, part_o_ptr, part_lse_ptr, seq_len, q_start, q_len, row0, kv_head,
-                                  tl.num_programs(1), num_splits, part_rows, max_pages, window,
-                                  stride_ot, stride_oh, stride_od, GROUP, BLOCK_Q, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                  PAGE, CAUSAL, WINDOWED, SPLIT_TILES, COMBINE_SUB_M, COMBINE_BLOCK_D)
 
 
 # Tiles hold at most this many packed (query row x GQA head) rows.
@@ -397,26 +380,6 @@ def _launch_config(block_m: int, head_dim: int) -> tuple[int, int]:
     or 128 and 2 vs 3 stages were no better for verify/decode tiles; 8 warps suit 128-row
     prefill tiles (~245 TFLOP/s on a causal 2048-row chunk)."""
     return (8 if block_m >= 128 else 4), (2 if head_dim > 128 else 3)
-
-
-# The splits' combine runs in the main kernel's last split of each (query block, KV head)
-# (one launch a call, not two). False: the combine kernel of its own (the A/B).
-FOLD_COMBINE = True
-# Ticket counters of the folded combine: one per (query block, KV head) of a call, zero
-# between launches (the last split zeroes its own). Calls with more tiles than this, or a
-# first call during a graph capture, launch the combine kernel instead.
-_FOLD_COUNTERS = 1 << 16
-_fold_counter_buffers: dict[torch.device, Tensor] = {}
-
-
-def _fold_counters(device: torch.device, needed: int) -> Tensor | None:
-    """The device's zeroed counters (allocated once, outside any capture), or None: no fold."""
-    buf = _fold_counter_buffers.get(device)
-    if buf is None:
-        if needed > _FOLD_COUNTERS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
-        buf = _fold_counter_buffers[device] = torch.zeros(_FOLD_COUNTERS, dtype=torch.int32, device=device)
-    return buf if needed <= buf.numel() else None
 
 
 @functools.cache
@@ -520,10 +483,8 @@ def paged_attention(
     # fp32 inputs (tests, interpreter): exact fp32 products, not TF32.
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     num_warps, num_stages = _launch_config(block_m, head_dim)
-    sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
-    counters = _fold_counters(q.device, grid[0] * n_kv) if num_splits > 1 and FOLD_COMBINE else None
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse, out if counters is None else counters,
+        q, k_cache, v_cache, out, part_o, part_lse,
         query_start_loc, seq_lens, page_tables,
         scale * _LOG2E, num_q_blocks, max_pages, num_tokens, window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
@@ -531,10 +492,10 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed,
         SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=all_masked, DOT_PRECISION=precision,
-        FOLD=counters is not None, COMBINE_SUB_M=sub_m, COMBINE_BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and counters is None:  # (one split: every row was final in the main kernel)
+    if num_splits > 1:  # (with one split every row was final in the main kernel)
+        sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
         _combine_splits_kernel[(grid[0], n_kv * (block_m // sub_m), head_dim // block_d)](
             out, part_o, part_lse, query_start_loc, seq_lens,
             num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),

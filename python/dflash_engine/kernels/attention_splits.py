@@ -123,87 +123,6 @@ def _row_splits(seq_len, q_len, row, row_ok, max_pages, window, PAGE: tl.constex
     return first, tl.where(row_ok, tl.cdiv(tl.cdiv(row_end, BLOCK_N), SPLIT_TILES) - first, 0)
 
 
-@triton.jit
-def _combine_slice(
-    out_ptr, part_o_ptr, part_lse_ptr, seq_len, q_start, q_len, row0, kv_head, n_kv, sub, d_slice,
-    num_splits, part_rows, max_pages, window, stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    SUB_M: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr,
-):
-    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those, for packed rows
-    [sub * SUB_M, (sub + 1) * SUB_M) of a tile and head dims [d_slice * BLOCK_D, +BLOCK_D).
-    SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
-    span, in ascending order, so its result does not depend on its query block's extent.
-    By count, a split that saw none of a row's keys (before its window, after its causal
-    end) holds lse = -inf and weighs 0. Each output element's sum over splits runs in the same
-    order whoever calls this (the combine kernel or the main kernel's last split), so the
-    caller changes no bit. CACHE: the partials' load cache modifier ("" or ".cg")."""
-    offs_m = sub * SUB_M + tl.arange(0, SUB_M)
-    offs_d = d_slice * BLOCK_D + tl.arange(0, BLOCK_D)
-    row = row0 + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
-    tok = (q_start + row).to(tl.int64)
-    pidx0 = tok * (n_kv * GROUP) + head  # the block's first partial of each packed row
-    split_stride = part_rows.to(tl.int64) * (n_kv * GROUP)
-    if SPLIT_TILES > 0:
-        first, row_splits = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
-                                        PAGE, BLOCK_N, SPLIT_TILES, CAUSAL, WINDOWED)
-        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
-        n_loop = tl.max(row_splits, 0)
-        if WINDOWED:  # the row's first partial, counted from the block's first split (its first row's)
-            pidx0 += (first - _window_lo(seq_len - q_len + row0, window) // (BLOCK_N * SPLIT_TILES)) * split_stride
-    else:
-        row_splits = tl.where(row_ok, num_splits, 0)
-        n_loop = num_splits
-
-    lse_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
-    for s in range(n_loop):
-        lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"),
-                      cache_modifier=CACHE)
-        lse_max = tl.maximum(lse_max, lse)
-    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros([SUB_M], dtype=tl.float32)
-    acc = tl.zeros([SUB_M, BLOCK_D], dtype=tl.float32)
-    for s in range(n_loop):
-        use = s < row_splits
-        pidx = s * split_stride + pidx0
-        lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"), cache_modifier=CACHE)
-        w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
-        o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0,
-                    cache_modifier=CACHE)
-        # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
-        total = tl.where(use, total + w, total)
-        acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
-    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
-    )
-
-
-@triton.jit
-def _combine_tile(
-    out_ptr, part_o_ptr, part_lse_ptr, seq_len, q_start, q_len, row0, kv_head, n_kv,
-    num_splits, part_rows, max_pages, window, stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-    SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The whole tile's combine, slice by slice (`_combine_slice`): what the main kernel's last
-    split of a (query block, KV head) runs when the combine is folded into it. The partials
-    other programs wrote are read past L1 (".cg")."""
-    for sub in tl.static_range(BLOCK_M // SUB_M):
-        if (row0 + (sub * SUB_M) // GROUP < q_len) & (sub * SUB_M < BLOCK_Q * GROUP):
-            for d_slice in tl.static_range(HEAD_DIM // BLOCK_D):
-                _combine_slice(out_ptr, part_o_ptr, part_lse_ptr, seq_len, q_start, q_len, row0, kv_head,
-                               n_kv, sub, d_slice, num_splits, part_rows, max_pages, window,
-                               stride_ot, stride_oh, stride_od, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, PAGE,
-                               CAUSAL, WINDOWED, SPLIT_TILES, SUB_M, BLOCK_D, ".cg")
-
-
 @triton.jit(do_not_specialize=["num_q_blocks", "num_splits", "part_rows", "max_pages", "window"])
 def _combine_splits_kernel(
     out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr,
@@ -213,7 +132,11 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The splits' combine as a launch of its own (`_combine_slice` per program).
+    """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row).
+    SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
+    span, in ascending order, so its result does not depend on its query block's extent.
+    By count, a split that saw none of a row's keys (before its window, after its causal
+    end) holds lse = -inf and weighs 0.
 
     Grid (request x query block, KV head x SUB_M-row slice of the tile, BLOCK_D-wide slice of
     head_dim): each output element's sum over splits runs in the same order whatever the
@@ -231,9 +154,45 @@ def _combine_splits_kernel(
     # Nothing to do past the request's rows or the tile's packed rows.
     if (row0 + (sub * SUB_M) // GROUP >= q_len) | (sub * SUB_M >= BLOCK_Q * GROUP):
         return
-    seq_len = 0
+    offs_m = sub * SUB_M + tl.arange(0, SUB_M)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row = row0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
+    tok = (q_start + row).to(tl.int64)
+    pidx0 = tok * (n_kv * GROUP) + head  # the block's first partial of each packed row
+    split_stride = part_rows.to(tl.int64) * (n_kv * GROUP)
     if SPLIT_TILES > 0:
         seq_len = tl.load(seq_lens_ptr + req)
-    _combine_slice(out_ptr, part_o_ptr, part_lse_ptr, seq_len, q_start, q_len, row0, kv_head, n_kv, sub,
-                   tl.program_id(2), num_splits, part_rows, max_pages, window, stride_ot, stride_oh, stride_od,
-                   GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, PAGE, CAUSAL, WINDOWED, SPLIT_TILES, SUB_M, BLOCK_D, "")
+        first, row_splits = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
+                                        PAGE, BLOCK_N, SPLIT_TILES, CAUSAL, WINDOWED)
+        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
+        n_loop = tl.max(row_splits, 0)
+        if WINDOWED:  # the row's first partial, counted from the block's first split (its first row's)
+            pidx0 += (first - _window_lo(seq_len - q_len + row0, window) // (BLOCK_N * SPLIT_TILES)) * split_stride
+    else:
+        row_splits = tl.where(row_ok, num_splits, 0)
+        n_loop = num_splits
+
+    lse_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
+    for s in range(n_loop):
+        lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros([SUB_M], dtype=tl.float32)
+    acc = tl.zeros([SUB_M, BLOCK_D], dtype=tl.float32)
+    for s in range(n_loop):
+        use = s < row_splits
+        pidx = s * split_stride + pidx0
+        lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"))
+        w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
+        o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0)
+        # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
+        total = tl.where(use, total + w, total)
+        acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
+    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
+    )
