@@ -38,9 +38,10 @@ prefill chunks are tiled by ``BLOCK_Q`` query rows. Keys are visited in tiles of
 causality masks entirely are never visited, and tiles entirely visible to every row run
 without masks. With ``num_splits > 1`` (flash-decoding, for batches too small to fill the
 GPU) each program handles a contiguous share of the key tiles and writes a partial
-(normalized output, log-sum-exp) in float32 per (split, token, head), and the last of a
-(query block, KV head)'s splits to finish combines them (a ticket counter; the combine's
-code and its kernel of its own, `FOLD_COMBINE = False`, are in kernels/attention_splits.py).
+(normalized output, log-sum-exp) in float32 per (split, token, head); a second small kernel
+combines them (kernels/attention_splits.py). Folding the combine into each tile's last split
+program was measured slower (run 42: one program combining a whole tile takes longer than
+the launch it saves; code in 91fc357).
 Each key tile's block-table entries are loaded one iteration ahead, so that Triton's
 pipeliner overlaps a tile's K/V copies with the previous tile's math.
 
