@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -31,35 +29,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 from dflash_engine.kernels import attention as attn  # noqa: E402
 
-
-def time_graph_us(fn_for, copies: int, cuda: bool, passes: int = 3, replays: int = 5) -> float:
-    """Median us per call of fn_for(i) captured `passes` x `copies` times in one graph."""
-    for i in range(copies):
-        fn_for(i)  # compile and warm outside the capture
-    if not cuda:
-        t0 = time.perf_counter()
-        for i in range(copies):
-            fn_for(i)
-        return (time.perf_counter() - t0) / copies * 1e6
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
-        for _ in range(passes):
-            for i in range(copies):
-                fn_for(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (passes * copies))
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_skinny_gemm import time_graph_us  # noqa: E402  (the same graph timing as the GEMM bench)
 
 
 class Case:
@@ -127,7 +98,7 @@ def sdpa_us(case, n_heads, n_kv, head_dim, dtype, device, cuda):
     def fn(i):
         with sdpa_kernel(backend):
             torch.nn.functional.scaled_dot_product_attention(q, kvs[i][0], kvs[i][1], enable_gqa=True)
-    return time_graph_us(fn, case.copies, cuda)
+    return time_graph_us(fn, case.copies, device)
 
 
 def main():
@@ -158,7 +129,7 @@ def main():
         for name, kw in variants:
             try:
                 with patched(**kw):
-                    us = time_graph_us(lambda i: case.run(i, True), case.copies, cuda)
+                    us = time_graph_us(lambda i: case.run(i, True), case.copies, device)
             except Exception as e:  # noqa: BLE001
                 print(f"prefill {name}: failed: {str(e).splitlines()[0][:120]}")
                 continue
@@ -179,7 +150,7 @@ def main():
                     split = {k: kw.pop(k) for k in ("split_keys", "num_splits") if k in kw}
                     try:
                         with patched(**kw):
-                            us = time_graph_us(lambda i: case.run(i, causal, **split), case.copies, cuda)
+                            us = time_graph_us(lambda i: case.run(i, causal, **split), case.copies, device)
                     except Exception as e:  # noqa: BLE001 (a variant out of shared memory: recorded, not fatal)
                         print(f"c={c} page={pg} {kind} {name}: failed: {str(e).splitlines()[0][:120]}")
                         continue
