@@ -41,8 +41,9 @@ def configs(gpu: bool):
     if not gpu:
         return [SkinnyConfig(block_n=32, block_k=32, split_k=s, swap_ab=t) for s, t in itertools.product((1, 2), (True, False))]
     out = []
-    for bn, bk, swap, split in itertools.product((64, 128), (128, 256), (True, False), (1, 2, 4, 8)):
-        out.append(SkinnyConfig(block_n=bn, block_k=bk, split_k=split, swap_ab=swap, num_warps=4, num_stages=4))
+    for bn, bk, split in itertools.product((64, 128), (128, 256), (1, 2, 4, 8)):
+        stages = 4 if bn * bk <= 128 * 128 else 3  # (a 128 x 256 tile's 4 stages overflow shared memory)
+        out.append(SkinnyConfig(block_n=bn, block_k=bk, split_k=split, swap_ab=True, num_warps=4, num_stages=stages))
     return out
 
 

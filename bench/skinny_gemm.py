@@ -64,7 +64,9 @@ def _skinny_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    k_lo = pid_s * k_per_split  # a multiple of BLOCK_K
+    # k_per_split is a multiple of BLOCK_K: telling the compiler so keeps the loads 16-byte
+    # vectors (unknown alignment made them 2-byte scalar loads, which Triton cannot pipeline).
+    k_lo = tl.multiple_of(pid_s * k_per_split, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per_split, K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :] * stride_wk
@@ -72,16 +74,26 @@ def _skinny_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = (k0 + offs_k) < k_hi
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    # Whole K blocks first, masked by row only (a mask constant along K keeps the weight's
+    # copies asynchronous and pipelined), then a ragged last block, if any, masked along K.
+    n_full = tl.maximum(k_hi - k_lo, 0) // BLOCK_K
+    for _ in range(n_full):
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
+    if k_lo + n_full * BLOCK_K < k_hi:
+        k_ok = (k_lo + n_full * BLOCK_K + offs_k) < k_hi
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask = m_ok[:, None] & n_ok[None, :]
