@@ -377,10 +377,17 @@ def _exact_blocks(group: int, head_dim: int) -> tuple[int, int, int]:
 
 
 def _launch_config(block_m: int, head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages) for the main kernel. On the H200 (Qwen3-8B shapes) BLOCK_N 32
-    or 128 and 2 vs 3 stages were no better for verify/decode tiles; 8 warps suit 128-row
-    prefill tiles (~245 TFLOP/s on a causal 2048-row chunk)."""
-    return (8 if block_m >= 128 else 4), (2 if head_dim > 128 else 3)
+    """(num_warps, num_stages) for the main kernel. 8 warps suit 128-row prefill tiles (~245
+    TFLOP/s on a causal 2048-row chunk, H200, measured before the K/V copies were pipelined).
+
+    Stages decide the K/V buffers in shared memory, and so the CTAs per SM (228 KB an SM on
+    Hopper). With the block table read one tile ahead, 3 stages keep one tile's copies in
+    flight during the previous tile's math (2: none). A 64-row verify/decode tile at
+    head_dim 128 then takes 115 KB: still 2 CTAs per SM, as its 82 KB did before. A 128-row
+    tile would take 131 KB (1 CTA per SM instead of 2), so it keeps 2 stages, its measured
+    configuration, until bench/bench_attention.py --prefill --sweep has timed the other on a
+    device. head_dim 256 (Qwen3.5): 2 stages."""
+    return (8 if block_m >= 128 else 4), (2 if head_dim > 128 or block_m >= 128 else 3)
 
 
 @functools.cache
