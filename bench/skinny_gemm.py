@@ -1,7 +1,9 @@
 """Skinny GEMM (Triton), an experiment beside its benchmark: x [M, K] @ weight.T for few rows
 (M <= 64), the decode and small-batch verify shape, where the step is a stream of weight bytes
 (issue 22, item 1). It lost to cuBLAS at every Qwen3-8B shape on an H100 (docs/perf.md "The
-skinny GEMM"), so it lives here, not in the engine's kernels/, until a version of it wins.
+skinny GEMM"), so it lives here, not in the engine's kernels/, until a version of it wins. That
+measurement (run 41) was of a version whose loads Triton could neither vectorise nor pipeline
+(fixed since: see the K loop); the pipelined version is not yet measured.
 
 Twin: `torch.nn.functional.linear` (cuBLAS on the GPU).
 
