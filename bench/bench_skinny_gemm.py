@@ -1,4 +1,4 @@
-"""The skinny GEMM (bench/skinny_gemm.py) against cuBLAS at the Qwen3-8B projections' shapes
+"""The skinny GEMM (kernels/skinny_gemm.py) against cuBLAS at the Qwen3-8B projections' shapes
 for few rows (issue 22, item 1):
 
     python bench/bench_skinny_gemm.py [--rows 1,16,32,64] [--json out.json] [--budget-s 300]
@@ -36,7 +36,7 @@ SHAPES_SMOKE = [("tiny_a", 96, 64, 2), ("tiny_b", 64, 160, 2)]
 
 
 def configs(gpu: bool):
-    from skinny_gemm import SkinnyConfig
+    from dflash_engine.kernels.skinny_gemm import SkinnyConfig
 
     if not gpu:
         return [SkinnyConfig(block_n=32, block_k=32, split_k=s, swap_ab=t) for s, t in itertools.product((1, 2), (True, False))]
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available()
     if not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from skinny_gemm import skinny_matmul
+    from dflash_engine.kernels.skinny_gemm import skinny_matmul
 
     dev = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32

@@ -130,6 +130,10 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
     print(f"# {'spec on' if spec else 'spec off'}: engine ready in {time.perf_counter() - t0:.1f} s; "
           f"graphs {len(dg.graphs) if dg else 0}, capture {dg.capture_seconds if dg else 0:.1f} s, "
           f"graph memory {(dg.graph_bytes if dg else 0) / 2**20:.0f} MiB", flush=True)
+    picks = sorted(engine.runner.gemm_picks.items(), key=lambda kv: (kv[0].m, kv[0].n, kv[0].k))
+    print("# few-row GEMMs (N x K @ M: the tuned pick): "
+          + (", ".join(f"{k.n}x{k.k}@{k.m} {c.label() if c else 'cuBLAS'}" for k, c in picks) or "none tuned"),
+          flush=True)
     target_cfg = json.loads((Path(args.target) / "config.json").read_text())
     draft_cfg = json.loads((Path(spec["model"]) / "config.json").read_text()) if spec else None
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
-"""The skinny GEMM (bench/skinny_gemm.py, an experiment the engine does not use) against torch's linear: every tile, split and
-operand order, ragged shapes (M, N, K not multiples of the tiles), bias, split-K with empty
+"""The skinny GEMM (kernels/skinny_gemm.py) against torch's linear: every tile, split and operand
+order, ragged shapes (M, N, K not multiples of the tiles), bias, split-K with empty
 trailing splits, and row invariance within an M bucket (a row's bits do not depend on the
 other rows of the call). Under Triton's interpreter on CPU without a GPU (float32)."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_engine.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_matmul
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_matmul  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

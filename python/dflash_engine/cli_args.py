@@ -133,6 +133,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "still replay a CUDA graph (captured at startup; default 512): while requests decode, "
                              "the scheduler holds a step's prefill to it; 0: no mixed graphs, such "
                              "steps run eagerly with no limit on their prefill")
+    parser.add_argument("--tune-gemms", action=argparse.BooleanOptionalAction, default=None,
+                        help="GPU: at startup, time the skinny Triton GEMM against cuBLAS for each "
+                             "few-row GEMM shape of the step and use the faster (default: on; "
+                             "--no-tune-gemms: cuBLAS everywhere, a shorter startup)")
     add_batch_invariant_arg(parser)
     add_cpu_weights_arg(parser)
     add_tensor_parallel_arg(parser)
@@ -153,7 +157,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                  "gpu_memory_utilization", "block_size", "speculative_config", "dtype", "device", "seed",
-                 "enforce_eager", "max_mixed_graph_tokens", "batch_invariant", "overlap", "cpu_weights",
+                 "enforce_eager", "max_mixed_graph_tokens", "tune_gemms", "batch_invariant", "overlap", "cpu_weights",
                  "tensor_parallel_size", "mamba_ssm_cache_dtype", "distributed_executor_backend")
 
 

@@ -184,6 +184,9 @@ class EngineConfig:
     # GPU: the most prefill tokens a step that also carries decode rows may hold and still replay
     # a CUDA graph (bucketed; captured at startup). 0: such mixed steps run eagerly.
     max_mixed_graph_tokens: int = 512
+    # GPU: before capturing the graphs, time the skinny Triton GEMM against cuBLAS for every
+    # few-row (M <= 64) GEMM shape the step runs, and use it where it is faster (ops/gemm_tuning.py).
+    tune_gemms: bool = True
     served_model_name: str | None = None
     # Share the KV (target and draft) of cached prompt prefixes, as vLLM's --enable-prefix-caching.
     enable_prefix_caching: bool = True

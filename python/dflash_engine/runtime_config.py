@@ -79,6 +79,7 @@ class RuntimeConfig:
     overlap: bool  # build step N's outputs while the device runs step N+1
     enforce_eager: bool
     max_mixed_graph_tokens: int  # prefill tokens of a mixed step's graph (0: mixed steps eager)
+    tune_gemms: bool  # GPU graphs: the skinny GEMM where it timed faster than cuBLAS (ops/gemm_tuning.py)
     enable_prefix_caching: bool
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None
@@ -227,7 +228,7 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
         batch_invariant=batch_invariant, cpu_weights=cpu_weights,
         overlap=envs.overlap() if cfg.overlap is None else bool(cfg.overlap),
         enforce_eager=cfg.enforce_eager, enable_prefix_caching=prefix_caching,
-        max_mixed_graph_tokens=cfg.max_mixed_graph_tokens,
+        max_mixed_graph_tokens=cfg.max_mixed_graph_tokens, tune_gemms=bool(cfg.tune_gemms),
         gpu_memory_utilization=cfg.gpu_memory_utilization, num_gpu_blocks_override=cfg.num_gpu_blocks_override,
         cpu_kv_cache_bytes=int(gb * (1 << 30)) or DEFAULT_CPU_KV_BYTES,
         cpu_kv_cache_source=f"DFLASH_CPU_KV_CACHE_GB={gb:g}" if gb else "DFLASH_CPU_KV_CACHE_GB (default 1)",

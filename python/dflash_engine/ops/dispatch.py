@@ -34,14 +34,30 @@ def use_kernels(x: Tensor) -> bool:
     return envs.kernels_on_cpu()
 
 
+# Few-row GEMMs follow the device-measured picks of ops/gemm_tuning.py (the skinny Triton GEMM
+# where it beat cuBLAS). A module switch, read at each call: bench/bench_step.py --ab measures it.
+SKINNY_GEMM = True
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, batch_invariant: bool) -> Tensor:
     """x @ weight.T (+ bias). `batch_invariant`: the model's exact-mode flag. The exact mode
-    on the kernel path is the fixed-tile Triton GEMM (kernels/gemm.py: cuBLAS tiles by M);
-    otherwise ops/linear.py (cuBLAS / BLAS; the CPU exact mode's 16-row blocks)."""
-    if batch_invariant and use_kernels(x):
-        from ..kernels import gemm
+    on the kernel path is the fixed-tile Triton GEMM (kernels/gemm.py: cuBLAS tiles by M).
+    Otherwise, on the kernel path, a few-row shape that gemm_tuning timed faster with the
+    skinny GEMM (kernels/skinny_gemm.py) runs it; everything else ops/linear.py (cuBLAS /
+    BLAS; the CPU exact mode's 16-row blocks)."""
+    if use_kernels(x):
+        if batch_invariant:
+            from ..kernels import gemm
 
-        return gemm.matmul(x, weight, bias)
+            return gemm.matmul(x, weight, bias)
+        if SKINNY_GEMM:
+            from . import gemm_tuning
+
+            cfg = gemm_tuning.pick(x, weight)
+            if cfg is not None:
+                from ..kernels.skinny_gemm import skinny_matmul
+
+                return skinny_matmul(x, weight, bias, cfg)
     return _lin.linear(x, weight, bias, batch_invariant)
 
 

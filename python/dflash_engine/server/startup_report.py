@@ -36,4 +36,15 @@ def startup_report(engine: LLMEngine) -> list[str]:
         lines.append(f"decode step: {num_graphs} CUDA graphs (batch buckets per verify block B: {buckets}; mixed "
                      f"steps: prefill-token buckets {mixed or 'none, eager'}) captured in {seconds:.1f} s, "
                      f"{engine.runner.memory.graph_bytes / 2**20:.0f} MiB")
+        lines.append(_few_row_gemms(engine))
     return lines
+
+
+def _few_row_gemms(engine: LLMEngine) -> str:
+    """Which kernel the step's few-row GEMMs run (ops/gemm_tuning.py's startup timing)."""
+    if not engine.runtime_config.tune_gemms:
+        return "few-row GEMMs: cuBLAS (--no-tune-gemms)"
+    picks = engine.runner.gemm_picks
+    skinny = {f"{k.n}x{k.k}@{k.m}" for k, cfg in picks.items() if cfg is not None}
+    return (f"few-row GEMMs: the skinny Triton GEMM for {len(skinny)} of {len(picks)} (N x K @ M) shapes, "
+            f"cuBLAS for the rest (timed at startup)" + (f": {', '.join(sorted(skinny))}" if skinny else ""))

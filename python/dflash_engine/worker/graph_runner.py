@@ -352,6 +352,25 @@ class GraphRunner:
                     "%.1f s, %.0f MiB", len(self.graphs), self.b, self.d, self.capture_buckets, self.mixed_graphs,
                     self.token_buckets, self.capture_seconds, self.graph_bytes / 2**20)
 
+    @torch.inference_mode()
+    def run_few_row_shapes(self, max_rows: int) -> None:
+        """One eager step of each startup graph's shape whose target or draft rows are at most
+        `max_rows` (GEMM tuning records the GEMMs they call), every request a padding one."""
+        self.reset_inputs()
+        shapes = [(bs, p) for bs in self.capture_buckets for p in [0] + self.token_buckets
+                  if bs * self.b + p <= max_rows or (not p and 0 < bs * self.d <= max_rows)]
+        if self.device.type != "cuda":
+            for bs, p in shapes:
+                self.step(bs, True, p)
+            return
+        if self._warmup_stream is None:
+            self._warmup_stream = torch.cuda.Stream(self.device)
+        self._warmup_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._warmup_stream):
+            for bs, p in shapes:
+                self.step(bs, True, p)
+        torch.cuda.current_stream(self.device).wait_stream(self._warmup_stream)
+
     def reset_inputs(self) -> None:
         """Every request a padding request (writes nothing anywhere): capture and profiling."""
         self.host_i64.numpy()[:] = 0

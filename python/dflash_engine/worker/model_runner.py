@@ -121,6 +121,9 @@ class ModelRunner:
                 self._warm_up_attention()
             except Exception:  # noqa: BLE001  (an optimisation: serving works without it)
                 logger.exception("attention warm-up failed; kernels compile on first use instead")
+        self.gemm_picks: dict = {}  # ops/gemm_tuning's picks for this engine's step shapes
+        if capturing and rc.tune_gemms:
+            self._tune_gemms()
         pool = None
         for g in self.graphs.values():
             g.pool = pool
@@ -204,6 +207,21 @@ class ModelRunner:
         finally:
             self.models.kv = real_kv  # None until the pool exists
         return step, decode
+
+    def _tune_gemms(self) -> None:
+        """Before capture: run each startup graph's shape eagerly once, noting its few-row
+        GEMMs, and time the skinny GEMM against cuBLAS on them (ops/gemm_tuning.py); the
+        graphs then capture the faster of each."""
+        from ..ops import gemm_tuning
+
+        try:
+            with gemm_tuning.recording() as seen:
+                for g in self.graphs.values():
+                    g.run_few_row_shapes(gemm_tuning.MAX_ROWS)
+            tuned = gemm_tuning.tune(seen)
+            self.gemm_picks = {key: tuned.get(key, gemm_tuning.picks().get(key)) for key in seen}
+        except Exception:  # noqa: BLE001  (an optimisation: cuBLAS serves every shape without it)
+            logger.exception("GEMM tuning failed; cuBLAS runs every GEMM")
 
     def _warm_up_attention(self) -> None:
         """Compile the attention kernels' variants now rather than in a request's step (a

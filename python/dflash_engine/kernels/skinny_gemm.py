@@ -1,9 +1,11 @@
-"""Skinny GEMM (Triton), an experiment beside its benchmark: x [M, K] @ weight.T for few rows
-(M <= 64), the decode and small-batch verify shape, where the step is a stream of weight bytes
-(issue 22, item 1). It lost to cuBLAS at every Qwen3-8B shape on an H100 (docs/perf.md "The
-skinny GEMM"), so it lives here, not in the engine's kernels/, until a version of it wins. That
-measurement (run 41) was of a version whose loads Triton could neither vectorise nor pipeline
-(fixed since: see the K loop); the pipelined version is not yet measured.
+"""Skinny GEMM (Triton): x [M, K] @ weight.T for few rows (M <= 64), the decode and
+small-batch verify shape, where the step is a stream of weight bytes (issue 22, item 1).
+
+The engine uses it only where it measured faster than cuBLAS on the device it runs on:
+`ops/gemm_tuning.py` times both for every (weight shape, M bucket) the step calls, before the
+graphs are captured, and `ops.dispatch.linear` follows those picks. (Run 41 measured an
+earlier version whose loads Triton could neither vectorise nor pipeline, slower than cuBLAS
+at every Qwen3-8B shape; fixed since: see the K loop.)
 
 Twin: `torch.nn.functional.linear` (cuBLAS on the GPU).
 
@@ -32,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["SkinnyConfig", "skinny_matmul", "MAX_ROWS"]
+__all__ = ["SkinnyConfig", "skinny_matmul", "bucket_rows", "MAX_ROWS"]
 
 MAX_ROWS = 64  # the kernel's M: one tile of rows (BLOCK_M >= M)
 
@@ -126,7 +128,8 @@ def _reduce_kernel(
     tl.store(out_ptr + row * stride_om + offs * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _block_m(m: int) -> int:
+def bucket_rows(m: int) -> int:
+    """The kernel's row tile for M rows (its M bucket): the power of two >= max(M, 16)."""
     return max(16, triton.next_power_of_2(m))
 
 
@@ -153,7 +156,7 @@ def skinny_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: Sk
     if k == 0:
         out.zero_()
         return out if bias is None else out.add_(bias)
-    block_m = _block_m(m)
+    block_m = bucket_rows(m)
     # Each split walks a whole number of BLOCK_K steps; trailing splits may be empty (they
     # write zero partials, which the reduce adds like any other).
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
