@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -27,7 +26,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 from ceilings import copy_bandwidth_gbs  # noqa: E402
+
+from dflash_engine.ops.gemm_tuning import time_graph_us  # noqa: E402,F401  (also bench_attention's timer)
 
 # (name, N, K, per step): Qwen3-8B (hidden 4096, 32 q / 8 kv heads of 128, intermediate 12288).
 SHAPES_8B = [("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
@@ -47,40 +51,6 @@ def configs(gpu: bool):
     return out
 
 
-def time_graph_us(fn_for, copies: int, device: torch.device, passes: int = 4, replays: int = 5) -> float:
-    """Median us per call of fn_for(i) (i = the weight copy) captured `passes` x `copies` times
-    in one CUDA graph (eager timing on CPU)."""
-    for i in range(copies):
-        fn_for(i)  # compile / warm up outside the capture
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for i in range(copies):
-            fn_for(i)
-        return (time.perf_counter() - t0) / copies * 1e6
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(passes):
-                for i in range(copies):
-                    fn_for(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (passes * copies))
-    del g
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,32,64")
@@ -89,8 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available()
-    if not gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     from dflash_engine.kernels.skinny_gemm import skinny_matmul
 
     dev = torch.device("cuda" if gpu else "cpu")

@@ -37,11 +37,13 @@ from ..kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_matmul  # (impo
 logger = logging.getLogger(__name__)
 
 # The configurations timed against cuBLAS (tiles, split of K, pipeline stages). Kept short:
-# each one compiles once per row bucket at startup.
+# each tile shape compiles once per row bucket at startup (the split's count is a runtime
+# argument of the main kernel; its reduce compiles once per count).
 CANDIDATES: tuple[SkinnyConfig, ...] = (
     SkinnyConfig(block_n=64, block_k=128, split_k=1, num_stages=4),
     SkinnyConfig(block_n=64, block_k=128, split_k=2, num_stages=4),
     SkinnyConfig(block_n=64, block_k=128, split_k=4, num_stages=4),
+    SkinnyConfig(block_n=64, block_k=128, split_k=8, num_stages=4),
     SkinnyConfig(block_n=128, block_k=128, split_k=1, num_stages=4),
     SkinnyConfig(block_n=128, block_k=128, split_k=2, num_stages=4),
     SkinnyConfig(block_n=64, block_k=256, split_k=2, num_stages=3),
