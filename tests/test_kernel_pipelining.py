@@ -1,5 +1,6 @@
 """The hot Triton loops compile to pipelined code for Hopper (sm_90): their K/V or weight
-copies are asynchronous and stay in flight across iterations. Two kernels lost this silently
+copies are asynchronous and stay in flight across iterations (the paged attention, the
+exact mode's GEMM and the skinny GEMM of few-row shapes). Two kernels lost this silently
 before (docs/perf.md "Kernels that Triton did not pipeline"): the paged attention waited for
 every copy at the top of each iteration (a K/V address depending on a load in its own
 iteration), and a GEMM's loads were 2-byte scalars (an offset of unknown alignment).
@@ -27,7 +28,8 @@ _COMPILE = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from dflash_engine.kernels import attention, gemm
+    from dflash_engine.kernels import attention, gemm, skinny_gemm
+    from dflash_engine.ops import gemm_tuning
     which = sys.argv[2]
     if which == "attention":
         k = attention._paged_attention_kernel
@@ -37,6 +39,13 @@ _COMPILE = textwrap.dedent('''
                       ALL_MASKED=True, DOT_PRECISION="tf32")
         fp = {"part_o_ptr", "part_lse_ptr", "qk_scale"}
         i32 = {"qsl_ptr", "seq_lens_ptr", "bt_ptr"}
+    elif which == "skinny":
+        k = skinny_gemm._skinny_kernel
+        cfg = gemm_tuning.CANDIDATES[1]  # a split of K, the weight as the MMA's wide operand
+        warps, stages = cfg.num_warps, cfg.num_stages
+        consts = dict(stride_xk=1, stride_wk=1, stride_on=1, HAS_BIAS=False, SPLIT=True, SWAP_AB=cfg.swap_ab,
+                      BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
+        fp, i32 = {"part_ptr"}, set()
     else:
         k = gemm._matmul_kernel
         *_, warps, stages = gemm.TILE
@@ -85,7 +94,7 @@ def _loop_waits(ttgir: str) -> list[int]:
     return waits
 
 
-@pytest.mark.parametrize("which", ["attention", "gemm"])
+@pytest.mark.parametrize("which", ["attention", "gemm", "skinny"])
 def test_hot_loops_keep_their_copies_in_flight(which):
     ttgir = _ttgir(which)
     assert "ttg.async_copy_global_to_local" in ttgir, "loads are synchronous: nothing to pipeline"
