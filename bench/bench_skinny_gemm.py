@@ -40,14 +40,20 @@ SHAPES_SMOKE = [("tiny_a", 96, 64, 2), ("tiny_b", 64, 160, 2)]
 
 
 def configs(gpu: bool):
+    """The engine's tuning candidates first (ops/gemm_tuning.py), then a wider sweep."""
     from dflash_engine.kernels.skinny_gemm import SkinnyConfig
+    from dflash_engine.ops.gemm_tuning import CANDIDATES
 
     if not gpu:
-        return [SkinnyConfig(block_n=32, block_k=32, split_k=s, swap_ab=t) for s, t in itertools.product((1, 2), (True, False))]
-    out = []
+        return [SkinnyConfig(block_n=32, block_k=32, split_k=s, swap_ab=t, fold_reduce=f)
+                for s, t, f in itertools.product((1, 2), (True, False), (False, True)) if s > 1 or not f]
+    out = list(CANDIDATES)
     for bn, bk, split in itertools.product((64, 128), (128, 256), (1, 2, 4, 8)):
         stages = 4 if bn * bk <= 128 * 128 else 3  # (a 128 x 256 tile's 4 stages overflow shared memory)
-        out.append(SkinnyConfig(block_n=bn, block_k=bk, split_k=split, swap_ab=True, num_warps=4, num_stages=stages))
+        for fold in ((False, True) if split > 1 else (False,)):
+            cfg = SkinnyConfig(block_n=bn, block_k=bk, split_k=split, num_stages=stages, fold_reduce=fold)
+            if cfg not in out:
+                out.append(cfg)
     return out
 
 

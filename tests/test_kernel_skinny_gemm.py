@@ -23,6 +23,8 @@ CONFIGS = [
     SkinnyConfig(block_n=16, block_k=64, split_k=2, swap_ab=False),
     SkinnyConfig(block_n=64, block_k=16, split_k=1, swap_ab=False),
     SkinnyConfig(block_n=32, block_k=32, split_k=8, swap_ab=True),  # more splits than K blocks: empty splits
+    SkinnyConfig(block_n=32, block_k=32, split_k=3, swap_ab=True, fold_reduce=True),
+    SkinnyConfig(block_n=16, block_k=32, split_k=8, swap_ab=False, fold_reduce=True),
 ]
 
 
@@ -82,3 +84,20 @@ def test_bench_smoke_runs_and_checks_every_config(tmp_path) -> None:
     (row,) = json.loads(out.read_text())["results"]
     assert row["rows"] == 3 and row["best_cfg"] and row["cublas_us"] > 0
     assert all("us" in t for t in row["tried"]), row["tried"]  # every config ran and matched F.linear
+
+
+def test_folded_reduce_gives_the_reduce_kernels_bits_in_one_launch(monkeypatch) -> None:
+    """The last split of each tile sums the partials (same order, same bits as the reduce
+    kernel), no second launch, and the ticket counters are zero again after each call."""
+    from dflash_engine.kernels import skinny_gemm
+
+    x, w, b = _rand(7, 200, seed=13), _rand(70, 200, seed=14), _rand(70, seed=15)
+    for split in (2, 3, 8):
+        plain = SkinnyConfig(block_n=16, block_k=32, split_k=split)
+        want = skinny_matmul(x, w, b, plain)
+        monkeypatch.setattr(skinny_gemm, "_reduce_kernel", None)  # a reduce launch would fail
+        for _ in range(2):  # the second call reuses the counters the first left at zero
+            got = skinny_matmul(x, w, b, SkinnyConfig(block_n=16, block_k=32, split_k=split, fold_reduce=True))
+            assert torch.equal(got, want), split
+        monkeypatch.undo()
+        assert not skinny_gemm._fold_counter_buffers[x.device].any()

@@ -15,7 +15,8 @@ bandwidth a kernel gets:
 - enough programs in flight on every SM: N / BLOCK_N output tiles alone are too few for the
   4096-wide outputs (64 tiles of 64 columns for 132 SMs), so the K dimension is split
   (`split_k` programs per output tile, each walking K / split_k) and the float32 partials
-  summed by a second launch, in ascending split order;
+  summed in ascending split order, by a second launch or (`fold_reduce`) by the tile's last
+  split to finish (a ticket counter per tile);
 - the weight as the MMA's wide operand (`swap_ab`): acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T,
   so that the tensor-core instruction's M dimension (64 rows on Hopper's wgmma) is filled
   with weight rows and the few activation rows sit in its narrow N dimension, instead of
@@ -47,18 +48,21 @@ class SkinnyConfig:
     swap_ab: bool = True
     num_warps: int = 4
     num_stages: int = 4
+    # With a split: the last split of each output tile to finish sums the partials (one launch
+    # a call); False: a second launch sums them. The same bits either way.
+    fold_reduce: bool = False
 
     def label(self) -> str:
-        return (f"n{self.block_n}k{self.block_k}s{self.split_k}{'T' if self.swap_ab else 'N'}"
-                f"w{self.num_warps}p{self.num_stages}")
+        return (f"n{self.block_n}k{self.block_k}s{self.split_k}{'f' if self.fold_reduce and self.split_k > 1 else ''}"
+                f"{'T' if self.swap_ab else 'N'}w{self.num_warps}p{self.num_stages}")
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split"])
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -103,8 +107,22 @@ def _skinny_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         # Partials [split, BLOCK_M, N] in float32; the reduce adds them in split order.
-        part = part_ptr + pid_s.to(tl.int64) * BLOCK_M * N + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part, acc, mask=mask)
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_s.to(tl.int64) * BLOCK_M * N + tile, acc, mask=mask)
+        if FOLD:
+            # The reduce folded in: the last split of this output tile to finish (a ticket from
+            # the tile's counter, which it zeroes again for the next launch) sums the partials,
+            # in split order from zero as `_reduce_kernel` does: the same bits.
+            tl.debug_barrier()  # every thread's partial stores issued before the release
+            if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+                tl.store(count_ptr + pid_n, 0)
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(tl.num_programs(1)):
+                    total += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+                         total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -126,6 +144,22 @@ def _reduce_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Ticket counters of the folded reduce: one per output tile of a call, zero between launches
+# (each tile's last split zeroes its own). A call with more tiles, or a first fold during a
+# graph capture (the buffer is allocated outside captures), launches the reduce instead.
+_FOLD_COUNTERS = 1 << 14
+_fold_counter_buffers: dict[torch.device, Tensor] = {}
+
+
+def _fold_counters(device: torch.device, needed: int) -> Tensor | None:
+    buf = _fold_counter_buffers.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _fold_counter_buffers[device] = torch.zeros(_FOLD_COUNTERS, dtype=torch.int32, device=device)
+    return buf if needed <= buf.numel() else None
 
 
 def bucket_rows(m: int) -> int:
@@ -163,15 +197,17 @@ def skinny_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: Sk
     split = cfg.split_k > 1
     part = torch.empty((cfg.split_k, block_m, n), dtype=torch.float32, device=x.device) if split else out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x, weight, bias if bias is not None else weight, out, part,
+    tiles = triton.cdiv(n, cfg.block_n)
+    counters = _fold_counters(x.device, tiles) if split and cfg.fold_reduce else None
+    _skinny_kernel[(tiles, cfg.split_k)](
+        x, weight, bias if bias is not None else weight, out, part, out if counters is None else counters,
         m, n, k, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, SPLIT=split, SWAP_AB=cfg.swap_ab,
+        HAS_BIAS=bias is not None, SPLIT=split, FOLD=counters is not None, SWAP_AB=cfg.swap_ab,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split:
+    if split and counters is None:
         block = 1024
         _reduce_kernel[(triton.cdiv(n, block), m)](
             part, bias if bias is not None else part, out, m, n, out.stride(0), out.stride(1),
