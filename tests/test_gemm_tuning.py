@@ -125,10 +125,11 @@ def test_engine_step_records_its_shapes_and_runs_the_picks(qwen3_dir, random_dra
     """The decode step's few-row GEMMs (target and draft) are what recording sees; with every
     shape tuned to the skinny kernel the engine's tokens still equal the reference path's."""
     rng = np.random.default_rng(3)
-    ps = [{"prompt_token_ids": rng.integers(3, 250, size=int(rng.integers(3, 12))).tolist()} for _ in range(3)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, batch_invariant=False,  # (the exact mode's
-              speculative_config={"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed"})  # GEMMs never come here)
+    ps = [{"prompt_token_ids": rng.integers(3, 250, size=int(rng.integers(3, 12))).tolist()} for _ in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    # (the default mode: the exact mode's GEMMs never come here)
+    llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, max_mixed_graph_tokens=16, batch_invariant=False,
+              speculative_config={"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed"})
     runner = llm.engine.runner
     assert runner.gemm_picks == {}  # CPU: no graphs are captured, so nothing was tuned at startup
     with gemm_tuning.recording() as seen:
@@ -138,10 +139,10 @@ def test_engine_step_records_its_shapes_and_runs_the_picks(qwen3_dir, random_dra
     hidden, d = cfg.hidden_size, cfg.head_dim
     qkv_n = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
     (g,) = runner.graphs.values()
-    target_rows = {bs * g.b for bs in g.capture_buckets}
+    target_rows = {bs * g.b + p for bs in g.capture_buckets for p in (0, 16)}  # decode and mixed steps
     assert {k.m for k in seen if (k.n, k.k) == (qkv_n, hidden)} >= target_rows
+    # every target layer's qkv weight, and the draft layer's (the target's attention shape)
     assert len(seen[next(k for k in seen if (k.n, k.k, k.m) == (qkv_n, hidden, g.b))]) == cfg.num_hidden_layers + 1
-    # (+1: the draft's layer has the target's attention shape)
 
     def timer(fn_for, copies, device):  # cuBLAS first for each key, then FAST: FAST wins
         timer.n += 1
