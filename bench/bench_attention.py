@@ -120,7 +120,7 @@ def main():
         pages = [16]
     variants = [("default", {})]
     if args.sweep and cuda:
-        for bn, w, s in [(32, 4, 3), (32, 4, 4), (32, 4, 5), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3),
+        for bn, w, s in [(32, 4, 3), (32, 4, 4), (32, 4, 5), (32, 8, 3), (32, 8, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3),
                          (128, 4, 2), (128, 4, 3), (128, 8, 3)]:
             variants.append((f"BLOCK_N {bn}, {w} warps, {s} stages", dict(block_n=bn, warps=w, stages=s)))
     rows = []
