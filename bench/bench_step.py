@@ -125,6 +125,7 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
         model=args.target, speculative_config=spec, max_num_seqs=max_c, max_model_len=max_len,
         num_gpu_blocks_override=pages, dtype=args.dtype, device=args.device,
         max_num_batched_tokens=max(8192, b * max_c), tensor_parallel_size=args.tensor_parallel_size,
+        tune_gemms=args.tune_gemms,
     ))
     dg = engine.runner.graphs.get(b)
     print(f"# {'spec on' if spec else 'spec off'}: engine ready in {time.perf_counter() - t0:.1f} s; "
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="ranks (tensor parallelism: eager steps, no graph-step timing)")
     ap.add_argument("--modes", default="off,on")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tune-gemms", action="store_true",
+                    help="the engine's few-row GEMM tuning (ops/gemm_tuning.py); with --ab "
+                         "dflash_engine.ops.dispatch.SKINNY_GEMM it times the step with and without its picks")
     ap.add_argument("--ab", default=None, metavar="MODULE.ATTR[,MODULE.ATTR]",
                     help="also time the step graph with each of these boolean module attributes True and "
                          "False (e.g. dflash_engine.ops.dispatch.HALF_LOGITS)")

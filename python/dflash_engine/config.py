@@ -186,7 +186,9 @@ class EngineConfig:
     max_mixed_graph_tokens: int = 512
     # GPU: before capturing the graphs, time the skinny Triton GEMM against cuBLAS for every
     # few-row (M <= 64) GEMM shape the step runs, and use it where it is faster (ops/gemm_tuning.py).
-    tune_gemms: bool = True
+    # Off by default: on an H100 (run 45) it won only o_proj at M <= 8 (0.6% of a spec-off step)
+    # for 25-40 s more startup on the Qwen3-8B shape.
+    tune_gemms: bool = False
     served_model_name: str | None = None
     # Share the KV (target and draft) of cached prompt prefixes, as vLLM's --enable-prefix-caching.
     enable_prefix_caching: bool = True

@@ -32,7 +32,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         max_mixed_graph_tokens: int = 512,
-        tune_gemms: bool = True,
+        tune_gemms: bool = False,
         enable_prefix_caching: bool = True,
         batch_invariant: bool | None = None,
         overlap: bool | None = None,

@@ -43,7 +43,7 @@ def startup_report(engine: LLMEngine) -> list[str]:
 def _few_row_gemms(engine: LLMEngine) -> str:
     """Which kernel the step's few-row GEMMs run (ops/gemm_tuning.py's startup timing)."""
     if not engine.runtime_config.tune_gemms:
-        return "few-row GEMMs: cuBLAS (--no-tune-gemms)"
+        return "few-row GEMMs: cuBLAS (--tune-gemms times the skinny Triton GEMM against it)"
     picks = engine.runner.gemm_picks
     skinny = {f"{k.n}x{k.k}@{k.m}" for k, cfg in picks.items() if cfg is not None}
     return (f"few-row GEMMs: the skinny Triton GEMM for {len(skinny)} of {len(picks)} (N x K @ M) shapes, "
