@@ -351,6 +351,13 @@ COMBINE_BLOCK_D = 64
 DECODE_TILE_ROWS = 16
 
 
+# Verify / decode tiles (<= 64 packed rows) walk the keys 32 at a time, prefill tiles 64: on
+# an H100 (run 45, bench/bench_attention.py --sweep, Qwen3-8B shapes, context 1024) 32-key
+# tiles at 4 warps / 3 stages took 4-7% less time than 64 at c = 8 and 32, verify and draft.
+# A module switch, read at each call (bench/bench_step.py --ab).
+NARROW_DECODE_KEY_TILES = True
+
+
 def _pick_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_Q, BLOCK_M, BLOCK_N): all of a decode/verify request's rows x its GQA group in
     one tile when they fit in _MAX_BLOCK_M packed rows, else as many query rows as fit."""
@@ -358,7 +365,7 @@ def _pick_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, in
     while block_q * 2 * group <= _MAX_BLOCK_M and block_q < max_query_len:
         block_q *= 2
     block_m = max(16, triton.next_power_of_2(block_q * group))  # tl.dot needs M >= 16
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = 64 if head_dim <= 128 and not (NARROW_DECODE_KEY_TILES and block_m <= 64) else 32
     return block_q, block_m, block_n
 
 
