@@ -37,6 +37,7 @@ reading anything back to the host.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -357,18 +358,24 @@ class GraphRunner:
         """One eager step of each startup graph's shape whose target or draft rows are at most
         `max_rows` (GEMM tuning records the GEMMs they call), every request a padding one."""
         self.reset_inputs()
-        shapes = [(bs, p) for bs in self.capture_buckets for p in [0] + self.token_buckets
-                  if bs * self.b + p <= max_rows or (not p and 0 < bs * self.d <= max_rows)]
+        with self._on_warmup_stream():
+            for bs in self.capture_buckets:
+                for p in [0] + self.token_buckets:
+                    if bs * self.b + p <= max_rows or (not p and 0 < bs * self.d <= max_rows):
+                        self.step(bs, True, p)
+
+    @contextlib.contextmanager
+    def _on_warmup_stream(self):
+        """Eager work before a capture, on the one warm-up stream of every capture (each new
+        stream would get its own cuBLAS workspace and its own cached blocks); on CPU, inline."""
         if self.device.type != "cuda":
-            for bs, p in shapes:
-                self.step(bs, True, p)
+            yield
             return
         if self._warmup_stream is None:
             self._warmup_stream = torch.cuda.Stream(self.device)
         self._warmup_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._warmup_stream):
-            for bs, p in shapes:
-                self.step(bs, True, p)
+            yield
         torch.cuda.current_stream(self.device).wait_stream(self._warmup_stream)
 
     def reset_inputs(self) -> None:
@@ -385,16 +392,9 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture_one(self, bs: int, p: int, all_greedy: bool) -> None:
-        # One warm-up stream for every capture: each new stream would get its own cuBLAS
-        # workspace and its own cached blocks.
-        if self._warmup_stream is None:
-            self._warmup_stream = torch.cuda.Stream(self.device)
-        stream = self._warmup_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with self._on_warmup_stream():
             for _ in range(1 if p else 2):  # warm up: Triton compiles, cuBLAS picks its kernels (the
                 self.step(bs, all_greedy, p)  # mixed shapes after the decode ones: compiled already)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local" if self.collectives else "global"):
             self.step(bs, all_greedy, p)

@@ -218,8 +218,9 @@ class ModelRunner:
             with gemm_tuning.recording() as seen:
                 for g in self.graphs.values():
                     g.run_few_row_shapes(gemm_tuning.MAX_ROWS)
-            tuned = gemm_tuning.tune(seen)
-            self.gemm_picks = {key: tuned.get(key, gemm_tuning.picks().get(key)) for key in seen}
+            gemm_tuning.tune(seen)  # (keys another engine of this process tuned are not timed again)
+            table = gemm_tuning.picks()
+            self.gemm_picks = {key: table.get(key) for key in seen}
         except Exception:  # noqa: BLE001  (an optimisation: cuBLAS serves every shape without it)
             logger.exception("GEMM tuning failed; cuBLAS runs every GEMM")
 
