@@ -17,7 +17,8 @@ def test_default_model_greedy_matches_transformers():
     from dflash_engine.model_path import default_model_dir
 
     path = default_model_dir()
-    llm = LLM(model=None, device="cpu", dtype="float32", max_model_len=512)
+    # (4 seats: the adaptive draft length times its startup steps per batch bucket, ~45 s at 64 here)
+    llm = LLM(model=None, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
 
