@@ -28,9 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 from dflash_engine.kernels import attention as attn  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_skinny_gemm import time_graph_us  # noqa: E402  (the same graph timing as the GEMM bench)
+from dflash_engine.ops.gemm_tuning import time_graph_us  # noqa: E402  (the GEMM tuning's graph timer)
 
 
 class Case:

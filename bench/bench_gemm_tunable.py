@@ -20,8 +20,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_skinny_gemm import SHAPES_8B, time_graph_us  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from bench_skinny_gemm import SHAPES_8B  # noqa: E402
 from ceilings import copy_bandwidth_gbs  # noqa: E402
+
+from dflash_engine.ops.gemm_tuning import time_graph_us  # noqa: E402
 
 
 def main() -> int:

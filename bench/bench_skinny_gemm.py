@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 from ceilings import copy_bandwidth_gbs  # noqa: E402
 
-from dflash_engine.ops.gemm_tuning import time_graph_us  # noqa: E402,F401  (also bench_attention's timer)
+from dflash_engine.ops.gemm_tuning import time_graph_us  # noqa: E402
 
 # (name, N, K, per step): Qwen3-8B (hidden 4096, 32 q / 8 kv heads of 128, intermediate 12288).
 SHAPES_8B = [("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),

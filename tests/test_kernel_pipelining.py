@@ -43,9 +43,10 @@ _COMPILE = textwrap.dedent('''
         k = skinny_gemm._skinny_kernel
         cfg = gemm_tuning.CANDIDATES[1]  # a split of K, the weight as the MMA's wide operand
         warps, stages = cfg.num_warps, cfg.num_stages
-        consts = dict(stride_xk=1, stride_wk=1, stride_on=1, HAS_BIAS=False, SPLIT=True, SWAP_AB=cfg.swap_ab,
-                      BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
-        fp, i32 = {"part_ptr"}, set()
+        consts = dict(stride_xk=1, stride_wk=1, stride_on=1, HAS_BIAS=True, SPLIT=True, FOLD=True,
+                      SWAP_AB=cfg.swap_ab, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      DOT_PRECISION="tf32")
+        fp, i32 = {"part_ptr"}, {"count_ptr"}
     else:
         k = gemm._matmul_kernel
         *_, warps, stages = gemm.TILE

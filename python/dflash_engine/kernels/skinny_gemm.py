@@ -57,6 +57,24 @@ class SkinnyConfig:
                 f"{'T' if self.swap_ab else 'N'}w{self.num_warps}p{self.num_stages}")
 
 
+@triton.jit
+def _sum_splits(part_ptr, offs, mask, n_split, split_stride, CACHE: tl.constexpr):
+    """sum over s of part[s * split_stride + offs], in split order from zero (float32): the one
+    order of the reduce kernel and of the folded reduce, so the two give the same bits."""
+    total = tl.zeros(offs.shape, dtype=tl.float32)
+    for s in range(n_split):
+        total += tl.load(part_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+    return total
+
+
+@triton.jit
+def _finish(acc, b_ptr, out_ptrs, offs_n, n_ok, mask, HAS_BIAS: tl.constexpr):
+    """out = acc (+ bias over the columns offs_n), rounded once to the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M", "k_per_split"])
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
@@ -105,6 +123,7 @@ def _skinny_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     if SPLIT:
         # Partials [split, BLOCK_M, N] in float32; the reduce adds them in split order.
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -116,18 +135,10 @@ def _skinny_kernel(
             tl.debug_barrier()  # every thread's partial stores issued before the release
             if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
                 tl.store(count_ptr + pid_n, 0)
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(tl.num_programs(1)):
-                    total += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-                         total.to(out_ptr.dtype.element_ty), mask=mask)
+                total = _sum_splits(part_ptr, tile, mask, tl.num_programs(1), BLOCK_M * N, ".cg")
+                _finish(total, b_ptr, out_ptrs, offs_n, n_ok, mask, HAS_BIAS)
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _finish(acc, b_ptr, out_ptrs, offs_n, n_ok, mask, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -138,12 +149,8 @@ def _reduce_kernel(
     row = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * BLOCK_M + row).to(tl.int64) * N + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    acc = _sum_splits(part_ptr + row * N, offs, ok, SPLIT_K, BLOCK_M * N, "")
+    _finish(acc, b_ptr, out_ptr + row * stride_om + offs * stride_on, offs, ok, ok, HAS_BIAS)
 
 
 # Ticket counters of the folded reduce: one per output tile of a call, zero between launches

@@ -15,6 +15,10 @@ TunableOp, the choice is measured, not guessed:
 3. `pick(x, weight)` (from `ops.dispatch.linear`): the picked configuration, or None
    (cuBLAS) for anything not tuned: other row counts, eager steps, other devices.
 
+Opt-in (`EngineConfig.tune_gemms`, `--tune-gemms`): on an H100 (run 45, docs/perf.md) no
+spec-on shape of Qwen3-8B ran faster on the skinny kernel, and the tuning added 25-40 s to
+startup. While nothing is tuned or recording, `pick` returns at its first line.
+
 Invariant: a pick never changes which function is computed, only the summation order of a
 default-mode (not batch-invariant) GEMM; the exact mode never comes here. The picks live for
 the process (one table, like TunableOp's), keyed by device index, so a second engine on the
@@ -75,6 +79,8 @@ def _key(x: Tensor, weight: Tensor) -> Key | None:
 
 def pick(x: Tensor, weight: Tensor) -> SkinnyConfig | None:
     """The skinny configuration tuned for this call's shape, or None (cuBLAS)."""
+    if _seen is None and not _picks:  # nothing tuned (the default): no key to build per call
+        return None
     key = _key(x, weight)
     if key is None:
         return None
