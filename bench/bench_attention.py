@@ -3,15 +3,15 @@ shapes (32 q / 8 KV heads of 128, 16 query rows per request, context 1024), agai
 tile variants and a contiguous-K/V reference (issue 22: attention is 14% of the c = 32 step
 at ~100 TFLOP/s; 0.56 ms of the c = 1 step with its combine):
 
-    python bench/bench_attention.py [--c 1,8,32] [--context 1024] [--sweep] [--prefill 2048] [--json out.json]
+    python bench/bench_attention.py [--c 1,8,32] [--context 1024] [--sweep | --splits] [--prefill 2048] [--json out.json]
 
 Each configuration is timed inside a CUDA graph over enough copies of the K/V cache (>= 512
 MB) that every key is read from HBM, as in a step (each layer's cache read once). Reports us
 per call, the K/V read rate (GB/s) and the attention TFLOP/s (4 x heads x head_dim per
 visible (row, key) pair). `--sweep` adds tile variants: BLOCK_N, warps and pipeline stages
 (monkeypatched `_pick_blocks` / `_launch_config`), and page sizes 16 / 64 / whole-context
-(the page-table gather against none), and at c <= 8 the context splits (fixed split_keys
-128 / 256 / 512, or none). The reference is torch's SDPA (flash backend, GQA) on
+(the page-table gather against none), and at c <= 16 the context splits (fixed split_keys
+64 / 128 / 256 / 512, or none; `--splits`: those alone). The reference is torch's SDPA (flash backend, GQA) on
 contiguous K/V, the same rows and keys, non-causal. Without a GPU it runs a smoke pass on
 tiny sizes under the interpreter (numbers meaningless).
 """
@@ -105,6 +105,7 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--q-len", type=int, default=16)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--splits", action="store_true", help="only the context-split variants (c <= 16), no tile sweep")
     ap.add_argument("--prefill", type=int, default=0, help="also time one causal chunk of this many rows")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -141,9 +142,9 @@ def main():
             case = Case(c, args.q_len, context, pg, n_heads, n_kv, head_dim, dtype, device, min_bytes)
             for causal in (True, False):
                 kind = "verify (causal)" if causal else "draft (non-causal)"
-                split_variants = [(f"split_keys {n}", dict(split_keys=n)) for n in (128, 256, 512)]
+                split_variants = [(f"split_keys {n}", dict(split_keys=n)) for n in (64, 128, 256, 512)]
                 split_variants.append(("one split", dict(num_splits=1)))
-                for name, kw in (variants + (split_variants if args.sweep and c <= 8 else [])
+                for name, kw in (variants + (split_variants if (args.sweep or args.splits) and c <= 16 else [])
                                  if page == 16 else variants[:1]):
                     split = {k: kw.pop(k) for k in ("split_keys", "num_splits") if k in kw}
                     try:

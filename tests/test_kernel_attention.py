@@ -438,6 +438,30 @@ def test_decode_split_keys_is_a_function_of_the_batch_only():
             assert keys % 128 == 0 and (keys // 64) & (keys // 64 - 1) == 0
 
 
+def test_splits_keep_at_least_the_minimum_keys_whatever_the_key_tile(monkeypatch):
+    """Neither split rule cuts a context into runs of fewer than DECODE_SPLIT_MIN_KEYS keys, for
+    32- and 64-key tiles alike (run 46: 32-key tiles had halved a lone request's splits to 64
+    keys, 15.0 us against 13.0 at 128); one wave never splits more than two."""
+    from dflash_engine.kernels import attention as ka
+    from dflash_engine.kernels import attention_splits as sp
+
+    for block_n in (32, 64):
+        assert ka.decode_split_keys(1, 8, 1, block_n) == (sp.DECODE_SPLIT_MIN_KEYS, None)
+        for r in range(1, 40):
+            for n_kv in (1, 2, 8):
+                two = ka.decode_split_keys(r, n_kv, 1, block_n)
+                assert two[0] is None or two[0] >= sp.DECODE_SPLIT_MIN_KEYS
+                monkeypatch.setattr(sp, "ONE_WAVE_DECODE_SPLITS", True)
+                one = ka.decode_split_keys(r, n_kv, 1, block_n)
+                monkeypatch.setattr(sp, "ONE_WAVE_DECODE_SPLITS", False)
+                assert one[0] is None or (two[0] is not None and one[0] >= two[0])
+        for pages in (8, 64, 65, 513):
+            for r in (1, 2, 4, 8):
+                n = ka.choose_num_splits(r, 8, 1, pages, 16, block_n)
+                assert n == 1 or pages * 16 // n >= sp.DECODE_SPLIT_MIN_KEYS
+    assert ka.choose_num_splits(1, 8, 1, 64, 16, 32) == ka.choose_num_splits(1, 8, 1, 64, 16, 64) == 8
+
+
 def test_decode_split_keys_bounds_the_grid_of_wide_tables():
     """A wide page table (long max_model_len) gets larger splits, so that requests x splits
     stays near DECODE_GRID_REQUEST_SPLITS (bounded fp32 partials); tables a page apart (the

@@ -28,9 +28,10 @@ def choose_num_splits(
 ) -> int:
     """Context splits for flash-decoding: a pure function of Python ints (so a captured
     graph and every replay agree). Aims at ~2 waves of programs over `num_sms`, keeps at
-    least two key tiles per split for a context filling the whole block table (one-tile
-    splits lose more to the fp32 partials and the reduce than they gain), and does not
-    split once the (request, query block, KV head) programs already fill that target.
+    least two key tiles and DECODE_SPLIT_MIN_KEYS keys per split for a context filling the
+    whole block table (one-tile and 64-key splits lose more to the fp32 partials and the
+    reduce than they gain), and does not split once the (request, query block, KV head)
+    programs already fill that target.
 
     Measured on the H200 (Qwen3-8B: 8 KV heads, 16-row verify, context 1024, 64-page table):
     the best split counts were 8 / 4 / 4 / 2 / 1 at batch 1 / 4 / 8 / 16 / 32; this picks
@@ -46,12 +47,21 @@ def choose_num_splits(
     bytes as fp32 partials), and a combine launch."""
     programs = max(1, num_requests * n_kv * num_q_blocks)
     target = 2 * num_sms
-    useful = max(1, -(-(max_pages * page_size) // block_n) // 2)
+    least = max(2, -(-DECODE_SPLIT_MIN_KEYS // block_n))  # tiles; run 46, c = 1 draft: 13.2 us at 128 keys, 14.8 at 64
+    useful = max(1, -(-(max_pages * page_size) // block_n) // least)
     return max(1, min(target // programs, useful, MAX_SPLITS))
 
 
 # The decode rule's split size assumes contexts of about this many keys (decode_split_keys).
 DECODE_SPLIT_CONTEXT = 1024
+# The decode rule's smallest split, in keys, whatever the key tile: run 46 (H100, Qwen3-8B
+# verify at c = 1, context 1024) timed 128-key splits at 13.0 us, 64-key ones (what 32-key
+# tiles gave with a two-tile floor) at 15.0 and 256-key ones at 13.8.
+DECODE_SPLIT_MIN_KEYS = 128
+# The decode rule's program target: ~one wave over the SMs instead of two (switch for
+# bench_step --ab). Run 46's c = 8 sweep had 2 splits of 512 keys (128 programs) at 24.7 us
+# against 4 of 256 (the two-wave rule) at 27.2.
+ONE_WAVE_DECODE_SPLITS = False
 # Key tiles per split that decode_split_keys returns for tables up to its grid cap (2 ..
 # DECODE_SPLIT_CONTEXT / 32; the warmed variants). Wider tables can need larger splits: those
 # variants compile when the decode graphs are captured at startup.
@@ -74,8 +84,9 @@ def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: 
     and took its count from the table's width (run 35's trace: the attention was the first
     op whose row differed between spec off and spec on, in every differing prompt).
     As many splits as `choose_num_splits` would give a context of DECODE_SPLIT_CONTEXT keys
-    (~2 waves over the SMs, at most MAX_SPLITS), each at least two key tiles and a power of
-    two of them; a longer context gets more splits of the same size (programs past a block's
+    (~2 waves over the SMs, or one with ONE_WAVE_DECODE_SPLITS; at most MAX_SPLITS), each at
+    least two key tiles and DECODE_SPLIT_MIN_KEYS keys, and a power of two of tiles;
+    a longer context gets more splits of the same size (programs past a block's
     keys exit at once).
 
     `table_tiles` (the page table's key tiles) bounds the grid: the splits grow (powers of
@@ -85,11 +96,13 @@ def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: 
     captured graph's table is fixed, so there the rule stays a function of the batch; eager
     decode calls (`--enforce-eager`) with tables wide enough to hit the cap (contexts past
     ~DECODE_GRID_REQUEST_SPLITS / requests splits) can meet other sizes from step to step."""
-    count = min(2 * num_sms // max(1, num_requests * n_kv * num_q_blocks), MAX_SPLITS)
+    waves = 1 if ONE_WAVE_DECODE_SPLITS else 2
+    count = min(waves * num_sms // max(1, num_requests * n_kv * num_q_blocks), MAX_SPLITS)
     if count < 2:
         return None, 1
     # A power of two of tiles: SPLIT_TILES is a compile-time constant (few variants to warm).
-    tiles = max(2, triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count)))
+    least = max(2, triton.cdiv(DECODE_SPLIT_MIN_KEYS, block_n))
+    tiles = max(least, triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count)))
     if table_tiles > 0:
         grid_cap = max(2, DECODE_GRID_REQUEST_SPLITS // max(1, num_requests))
         table_pow2 = 1 << (table_tiles.bit_length() - 1)  # rounded down: a page more or less changes nothing
