@@ -174,12 +174,12 @@ def test_mixed_steps_through_the_graph_shapes_equal_the_reference(qwen3_dir, ran
     assert ref.engine.runner.steps_by_path()["mixed_graph"] == 0
 
 
-@CPU_ONLY
 def eager_replay(self, bs, p, all_greedy):
     """GraphRunner._capture_one on CPU: a "graph" that replays the padded step eagerly."""
     self.graphs[(bs, p, all_greedy)] = SimpleNamespace(replay=lambda: self.step(bs, all_greedy, p))
 
 
+@CPU_ONLY  # (the kernels run on CPU tensors: the interpreter's mode; run 46 met it on an H100 unmarked)
 def test_a_failed_mixed_capture_falls_back_to_eager_steps(qwen3_dir, random_draft_dir, monkeypatch, caplog):
     """A mixed graph's first-use capture that raises (out of memory, say) costs no request:
     that step and every later mixed step run eagerly, and the tokens are the reference's."""

@@ -58,10 +58,12 @@ DECODE_SPLIT_CONTEXT = 1024
 # verify at c = 1, context 1024) timed 128-key splits at 13.0 us, 64-key ones (what 32-key
 # tiles gave with a two-tile floor) at 15.0 and 256-key ones at 13.8.
 DECODE_SPLIT_MIN_KEYS = 128
-# The decode rule's program target: ~one wave over the SMs instead of two (switch for
-# bench_step --ab). Run 46's c = 8 sweep had 2 splits of 512 keys (128 programs) at 24.7 us
-# against 4 of 256 (the two-wave rule) at 27.2.
-ONE_WAVE_DECODE_SPLITS = False
+# The decode rule's program target: ~one wave over the SMs, not two (False: two, the rule
+# before run 46; a switch for bench_step --ab). Run 46 (H100, Qwen3-8B, K = 15, context
+# 1024), step ms one / two waves: spec on c = 4 8.717 / 8.924, c = 8 9.172 / 9.340, c = 16
+# 11.208 / 11.417; decode c = 4 / 8 / 16 -1.7 / -1.0 / -1.0%; c = 1 and c >= 32 split alike.
+# Kernel alone at c = 16: one split 35.1 us, two (the two-wave rule) 42.1.
+ONE_WAVE_DECODE_SPLITS = True
 # Key tiles per split that decode_split_keys returns for tables up to its grid cap (2 ..
 # DECODE_SPLIT_CONTEXT / 32; the warmed variants). Wider tables can need larger splits: those
 # variants compile when the decode graphs are captured at startup.
@@ -84,7 +86,7 @@ def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: 
     and took its count from the table's width (run 35's trace: the attention was the first
     op whose row differed between spec off and spec on, in every differing prompt).
     As many splits as `choose_num_splits` would give a context of DECODE_SPLIT_CONTEXT keys
-    (~2 waves over the SMs, or one with ONE_WAVE_DECODE_SPLITS; at most MAX_SPLITS), each at
+    (~1 wave over the SMs, 2 without ONE_WAVE_DECODE_SPLITS; at most MAX_SPLITS), each at
     least two key tiles and DECODE_SPLIT_MIN_KEYS keys, and a power of two of tiles;
     a longer context gets more splits of the same size (programs past a block's
     keys exit at once).
