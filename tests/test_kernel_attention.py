@@ -459,6 +459,11 @@ def test_splits_keep_at_least_the_minimum_keys_whatever_the_key_tile(monkeypatch
             for r in (1, 2, 4, 8):
                 n = ka.choose_num_splits(r, 8, 1, pages, 16, block_n)
                 assert n == 1 or pages * 16 // n >= sp.DECODE_SPLIT_MIN_KEYS
+                monkeypatch.setattr(sp, "ONE_WAVE_COUNT_SPLITS", not sp.ONE_WAVE_COUNT_SPLITS)
+                other = ka.choose_num_splits(r, 8, 1, pages, 16, block_n)
+                monkeypatch.setattr(sp, "ONE_WAVE_COUNT_SPLITS", not sp.ONE_WAVE_COUNT_SPLITS)
+                one, two = (n, other) if sp.ONE_WAVE_COUNT_SPLITS else (other, n)
+                assert one <= two  # one wave never splits more than two
     assert ka.choose_num_splits(1, 8, 1, 64, 16, 32) == ka.choose_num_splits(1, 8, 1, 64, 16, 64) == 8
 
 

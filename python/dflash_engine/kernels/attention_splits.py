@@ -46,7 +46,7 @@ def choose_num_splits(
     batch >= 32 (a 16-row verify block at GQA group 4 writes 64 / split_keys of its K/V
     bytes as fp32 partials), and a combine launch."""
     programs = max(1, num_requests * n_kv * num_q_blocks)
-    target = 2 * num_sms
+    target = (1 if ONE_WAVE_COUNT_SPLITS else 2) * num_sms
     least = max(2, -(-DECODE_SPLIT_MIN_KEYS // block_n))  # tiles; run 46, c = 1 draft: 13.2 us at 128 keys, 14.8 at 64
     useful = max(1, -(-(max_pages * page_size) // block_n) // least)
     return max(1, min(target // programs, useful, MAX_SPLITS))
@@ -64,6 +64,11 @@ DECODE_SPLIT_MIN_KEYS = 128
 # 11.208 / 11.417; decode c = 4 / 8 / 16 -1.7 / -1.0 / -1.0%; c = 1 and c >= 32 split alike.
 # Kernel alone at c = 16: one split 35.1 us, two (the two-wave rule) 42.1.
 ONE_WAVE_DECODE_SPLITS = True
+# The same for the count rule (choose_num_splits: the draft's non-causal calls, windows,
+# prefill chunks), off until measured at step level (bench_step --ab). Run 46's kernel
+# alone, the draft's non-causal call: c = 4 17.6 us (8 splits) vs 16.1 (256-key splits),
+# c = 16 37.7 (2) vs 34.6 (none), c = 8 24.5 (4) vs 24.6 (512-key splits).
+ONE_WAVE_COUNT_SPLITS = False
 # Key tiles per split that decode_split_keys returns for tables up to its grid cap (2 ..
 # DECODE_SPLIT_CONTEXT / 32; the warmed variants). Wider tables can need larger splits: those
 # variants compile when the decode graphs are captured at startup.
