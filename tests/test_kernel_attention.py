@@ -439,18 +439,18 @@ def test_decode_split_keys_is_a_function_of_the_batch_only():
 
 
 def test_splits_keep_at_least_the_minimum_keys_whatever_the_key_tile(monkeypatch):
-    """Neither split rule cuts a context into runs of fewer than DECODE_SPLIT_MIN_KEYS keys, for
+    """Neither split rule cuts a context into runs of fewer than MIN_SPLIT_KEYS keys, for
     32- and 64-key tiles alike (run 46: 32-key tiles had halved a lone request's splits to 64
     keys, 15.0 us against 13.0 at 128); one wave never splits more than two."""
     from dflash_engine.kernels import attention as ka
     from dflash_engine.kernels import attention_splits as sp
 
     for block_n in (32, 64):
-        assert ka.decode_split_keys(1, 8, 1, block_n) == (sp.DECODE_SPLIT_MIN_KEYS, None)
+        assert ka.decode_split_keys(1, 8, 1, block_n) == (sp.MIN_SPLIT_KEYS, None)
         for r in range(1, 40):
             for n_kv in (1, 2, 8):
                 two = ka.decode_split_keys(r, n_kv, 1, block_n)
-                assert two[0] is None or two[0] >= sp.DECODE_SPLIT_MIN_KEYS
+                assert two[0] is None or two[0] >= sp.MIN_SPLIT_KEYS
                 monkeypatch.setattr(sp, "ONE_WAVE_DECODE_SPLITS", True)
                 one = ka.decode_split_keys(r, n_kv, 1, block_n)
                 monkeypatch.setattr(sp, "ONE_WAVE_DECODE_SPLITS", False)
@@ -458,7 +458,7 @@ def test_splits_keep_at_least_the_minimum_keys_whatever_the_key_tile(monkeypatch
         for pages in (8, 64, 65, 513):
             for r in (1, 2, 4, 8):
                 n = ka.choose_num_splits(r, 8, 1, pages, 16, block_n)
-                assert n == 1 or pages * 16 // n >= sp.DECODE_SPLIT_MIN_KEYS
+                assert n == 1 or pages * 16 // n >= sp.MIN_SPLIT_KEYS
                 monkeypatch.setattr(sp, "ONE_WAVE_COUNT_SPLITS", not sp.ONE_WAVE_COUNT_SPLITS)
                 other = ka.choose_num_splits(r, 8, 1, pages, 16, block_n)
                 monkeypatch.setattr(sp, "ONE_WAVE_COUNT_SPLITS", not sp.ONE_WAVE_COUNT_SPLITS)

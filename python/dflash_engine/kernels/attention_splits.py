@@ -20,6 +20,26 @@ __all__ = ["MAX_SPLITS", "choose_num_splits", "decode_split_keys"]
 
 # Most context splits per call: bounds the fp32 partial buffers (and gains nothing beyond).
 MAX_SPLITS = 32
+# The smallest split of both rules, in keys, whatever the key tile: run 46 (H100, Qwen3-8B
+# verify at c = 1, context 1024) timed 128-key splits at 13.0 us, 64-key ones (what 32-key
+# tiles gave with a two-tile floor) at 15.0 and 256-key ones at 13.8.
+MIN_SPLIT_KEYS = 128
+# The decode rule's program target: ~one wave over the SMs, not two (False: two, the rule
+# before run 46; a switch for bench_step --ab). Run 46 (H100, Qwen3-8B, K = 15, context
+# 1024), step ms one / two waves: spec on c = 4 8.717 / 8.924, c = 8 9.172 / 9.340, c = 16
+# 11.208 / 11.417; decode c = 4 / 8 / 16 -1.7 / -1.0 / -1.0%; c = 1 and c >= 32 split alike.
+# Kernel alone at c = 16: one split 35.1 us, two (the two-wave rule) 42.1.
+ONE_WAVE_DECODE_SPLITS = True
+# The same for the count rule (choose_num_splits: the draft's non-causal calls, windows,
+# prefill chunks), off until measured at step level (bench_step --ab). Run 46's kernel
+# alone, the draft's non-causal call: c = 4 17.6 us (8 splits) vs 16.1 (256-key splits),
+# c = 16 37.7 (2) vs 34.6 (none), c = 8 24.5 (4) vs 24.6 (512-key splits).
+ONE_WAVE_COUNT_SPLITS = False
+
+
+def _least_split_tiles(block_n: int) -> int:
+    """Key tiles in the smallest split either rule makes: two, and MIN_SPLIT_KEYS keys."""
+    return max(2, -(-MIN_SPLIT_KEYS // block_n))
 
 
 def choose_num_splits(
@@ -27,11 +47,11 @@ def choose_num_splits(
     block_n: int = 64, num_sms: int = 132,
 ) -> int:
     """Context splits for flash-decoding: a pure function of Python ints (so a captured
-    graph and every replay agree). Aims at ~2 waves of programs over `num_sms`, keeps at
-    least two key tiles and DECODE_SPLIT_MIN_KEYS keys per split for a context filling the
-    whole block table (one-tile and 64-key splits lose more to the fp32 partials and the
-    reduce than they gain), and does not split once the (request, query block, KV head)
-    programs already fill that target.
+    graph and every replay agree). Aims at ~2 waves of programs over `num_sms` (one with
+    ONE_WAVE_COUNT_SPLITS), keeps at least two key tiles and MIN_SPLIT_KEYS keys per split
+    for a context filling the whole block table (one-tile and 64-key splits lose more to the
+    fp32 partials and the reduce than they gain), and does not split once the (request,
+    query block, KV head) programs already fill that target.
 
     Measured on the H200 (Qwen3-8B: 8 KV heads, 16-row verify, context 1024, 64-page table):
     the best split counts were 8 / 4 / 4 / 2 / 1 at batch 1 / 4 / 8 / 16 / 32; this picks
@@ -47,28 +67,12 @@ def choose_num_splits(
     bytes as fp32 partials), and a combine launch."""
     programs = max(1, num_requests * n_kv * num_q_blocks)
     target = (1 if ONE_WAVE_COUNT_SPLITS else 2) * num_sms
-    least = max(2, -(-DECODE_SPLIT_MIN_KEYS // block_n))  # tiles; run 46, c = 1 draft: 13.2 us at 128 keys, 14.8 at 64
-    useful = max(1, -(-(max_pages * page_size) // block_n) // least)
+    useful = max(1, -(-(max_pages * page_size) // block_n) // _least_split_tiles(block_n))
     return max(1, min(target // programs, useful, MAX_SPLITS))
 
 
 # The decode rule's split size assumes contexts of about this many keys (decode_split_keys).
 DECODE_SPLIT_CONTEXT = 1024
-# The decode rule's smallest split, in keys, whatever the key tile: run 46 (H100, Qwen3-8B
-# verify at c = 1, context 1024) timed 128-key splits at 13.0 us, 64-key ones (what 32-key
-# tiles gave with a two-tile floor) at 15.0 and 256-key ones at 13.8.
-DECODE_SPLIT_MIN_KEYS = 128
-# The decode rule's program target: ~one wave over the SMs, not two (False: two, the rule
-# before run 46; a switch for bench_step --ab). Run 46 (H100, Qwen3-8B, K = 15, context
-# 1024), step ms one / two waves: spec on c = 4 8.717 / 8.924, c = 8 9.172 / 9.340, c = 16
-# 11.208 / 11.417; decode c = 4 / 8 / 16 -1.7 / -1.0 / -1.0%; c = 1 and c >= 32 split alike.
-# Kernel alone at c = 16: one split 35.1 us, two (the two-wave rule) 42.1.
-ONE_WAVE_DECODE_SPLITS = True
-# The same for the count rule (choose_num_splits: the draft's non-causal calls, windows,
-# prefill chunks), off until measured at step level (bench_step --ab). Run 46's kernel
-# alone, the draft's non-causal call: c = 4 17.6 us (8 splits) vs 16.1 (256-key splits),
-# c = 16 37.7 (2) vs 34.6 (none), c = 8 24.5 (4) vs 24.6 (512-key splits).
-ONE_WAVE_COUNT_SPLITS = False
 # Key tiles per split that decode_split_keys returns for tables up to its grid cap (2 ..
 # DECODE_SPLIT_CONTEXT / 32; the warmed variants). Wider tables can need larger splits: those
 # variants compile when the decode graphs are captured at startup.
@@ -90,11 +94,10 @@ def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: 
     cdiv(its tiles, count), which moved when a verify block's last row crossed a key tile,
     and took its count from the table's width (run 35's trace: the attention was the first
     op whose row differed between spec off and spec on, in every differing prompt).
-    As many splits as `choose_num_splits` would give a context of DECODE_SPLIT_CONTEXT keys
-    (~1 wave over the SMs, 2 without ONE_WAVE_DECODE_SPLITS; at most MAX_SPLITS), each at
-    least two key tiles and DECODE_SPLIT_MIN_KEYS keys, and a power of two of tiles;
-    a longer context gets more splits of the same size (programs past a block's
-    keys exit at once).
+    As many splits of a context of DECODE_SPLIT_CONTEXT keys as make ~1 wave of programs
+    over the SMs (2 without ONE_WAVE_DECODE_SPLITS; at most MAX_SPLITS), each at
+    least two key tiles and MIN_SPLIT_KEYS keys, and a power of two of tiles; a longer
+    context gets more splits of the same size (programs past a block's keys exit at once).
 
     `table_tiles` (the page table's key tiles) bounds the grid: the splits grow (powers of
     two) until the table needs at most DECODE_GRID_REQUEST_SPLITS / requests of them, counted
@@ -108,8 +111,8 @@ def decode_split_keys(num_requests: int, n_kv: int, num_q_blocks: int, block_n: 
     if count < 2:
         return None, 1
     # A power of two of tiles: SPLIT_TILES is a compile-time constant (few variants to warm).
-    least = max(2, triton.cdiv(DECODE_SPLIT_MIN_KEYS, block_n))
-    tiles = max(least, triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count)))
+    tiles = triton.next_power_of_2(triton.cdiv(DECODE_SPLIT_CONTEXT // block_n, count))
+    tiles = max(_least_split_tiles(block_n), tiles)
     if table_tiles > 0:
         grid_cap = max(2, DECODE_GRID_REQUEST_SPLITS // max(1, num_requests))
         table_pow2 = 1 << (table_tiles.bit_length() - 1)  # rounded down: a page more or less changes nothing
