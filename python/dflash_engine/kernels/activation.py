@@ -11,11 +11,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl import launch_options, wait_then_signal
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_then_signal(PDL)  # (kernels/pdl.py: before any read)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -46,5 +49,6 @@ def silu_and_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
     block = min(_BLOCK, triton.next_power_of_2(i))
     _silu_and_mul_kernel[(rows, triton.cdiv(i, block))](
         x2, y2, i, x2.stride(0), y2.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 1,
+        **launch_options(x2.device),
     )
     return out

@@ -110,6 +110,7 @@ from .attention_splits import (
     decode_split_keys,
 )
 from .kv_store import store_kv  # (the K/V writes: a file of their own; re-exported here)
+from .pdl import launch_options, wait_then_signal
 
 __all__ = ["store_kv", "paged_attention", "choose_num_splits", "MAX_SPLITS"]
 
@@ -216,7 +217,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, ALL_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_signal(PDL)  # (kernels/pdl.py: before any read)
     pid_rq = tl.program_id(0)  # request * num_q_blocks + query block
     kv_head = tl.program_id(1)
     part = tl.program_id(2)  # which split (fixed-size: counted from the block's first)
@@ -498,6 +501,7 @@ def paged_attention(
     # fp32 inputs (tests, interpreter): exact fp32 products, not TF32.
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     num_warps, num_stages = _launch_config(block_m, head_dim)
+    pdl = launch_options(q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         query_start_loc, seq_lens, page_tables,
@@ -507,7 +511,7 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed,
         SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=all_masked, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if num_splits > 1:  # (with one split every row was final in the main kernel)
         sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
@@ -516,7 +520,7 @@ def paged_attention(
             num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
             PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed, SPLIT_TILES=split_tiles,
-            SUB_M=sub_m, BLOCK_D=block_d, num_warps=4,
+            SUB_M=sub_m, BLOCK_D=block_d, num_warps=4, **pdl,
         )
     return out
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import wait_then_signal
+
 __all__ = ["MAX_SPLITS", "choose_num_splits", "decode_split_keys"]
 
 # Most context splits per call: bounds the fp32 partial buffers (and gains nothing beyond).
@@ -153,7 +155,7 @@ def _combine_splits_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-    SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row).
     SPLIT_TILES > 0 (fixed-size splits): a row sums only the splits its own visible keys
@@ -165,6 +167,7 @@ def _combine_splits_kernel(
     head_dim): each output element's sum over splits runs in the same order whatever the
     slicing, so the slices change no bit; they keep the fp32 accumulator small (a whole
     128 x 256 tile spills) and give a lone request's few (KV head) tiles many programs."""
+    wait_then_signal(PDL)  # (kernels/pdl.py: before any read)
     pid_rq = tl.program_id(0)
     n_sub: tl.constexpr = BLOCK_M // SUB_M
     kv_head = tl.program_id(1) // n_sub

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl import launch_options, wait_then_signal
+
 _MAX_SINGLE_TILE = 16384
 _CHUNK = 4096
 
@@ -27,7 +29,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr,
     n_cols, stride_x, stride_res, stride_y, stride_res_out, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_signal(PDL)  # (kernels/pdl.py: before any read)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     y_row = y_ptr + row * stride_y
@@ -127,7 +131,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         x2, r2, weight, y2, ro2,
         n, x2.stride(0), r2.stride(0), y2.stride(0), ro2.stride(0), float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=chunks, ZERO_CENTRED=zero_centred,
-        num_warps=num_warps,
+        num_warps=num_warps, **launch_options(x2.device),
     )
     return out, residual_out
 

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl import launch_options, wait_then_signal
+
 
 @triton.jit
 def _heads_tile(
@@ -59,7 +61,9 @@ def _qk_norm_rope_kernel(
     H, KV, eps,
     D: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
     Q_NORM: tl.constexpr, K_NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_signal(PDL)  # (kernels/pdl.py: before any read)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     nqb = tl.cdiv(H, HB)
@@ -144,7 +148,7 @@ def _launch(qkv, h, kv, d, cos, sin, qw, kw, eps, q, k, v, cache) -> None:
         h, kv, float(eps),
         D=d, HALF=half, HB=hb, Q_NORM=qw is not None, K_NORM=kw is not None, STORE=cache is not None,
         PAGE=kc.shape[1] if cache is not None else 1,
-        num_warps=4 if hb * half >= 1024 else 2,
+        num_warps=4 if hb * half >= 1024 else 2, **launch_options(qkv.device),
     )
 
 
