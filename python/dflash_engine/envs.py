@@ -42,6 +42,12 @@ def reference_ops_on_gpu() -> bool:
     return os.environ.get("DFLASH_REFERENCE_OPS", "") == "1"
 
 
+def triton_interpreter() -> bool:
+    """`TRITON_INTERPRET=1` (Triton's own variable): kernels run under Triton's interpreter,
+    which cannot execute launch attributes such as PDL (kernels/pdl.py)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
 def kernels_on_cpu() -> bool:
     """`DFLASH_KERNELS_ON_CPU=1` (with `TRITON_INTERPRET=1`): the Triton kernel path on CPU
     tensors, for the kernel tests."""

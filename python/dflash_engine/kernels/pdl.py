@@ -22,13 +22,14 @@ it cannot run the instructions, and `launch_options` gives it nothing.
 """
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .. import envs
 
 __all__ = ["PDL", "launch_options", "wait_then_signal"]
 
@@ -44,7 +45,7 @@ def _capable(index: int) -> bool:
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch on `device`: `launch_pdl` and the kernel's `PDL`
     constexpr when PDL is on and the device is a Hopper-or-later GPU, else none."""
-    if not PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not PDL or device.type != "cuda" or envs.triton_interpreter():
         return {}
     if not _capable(device.index if device.index is not None else torch.cuda.current_device()):
         return {}
