@@ -7,7 +7,8 @@ runner's `launch` replaced by a stub that returns at once: random acceptance (0.
 random sampled tokens for the plan, as a GPU step's one device-to-host copy would. What is left
 of `LLMEngine.step()` is the host's share of a step: the core's schedule and commit, the
 per-row sampling arrays, the plan crossing into Python, turning committed tokens into outputs
-(detokenisation included: every request streams, as the server's do). c requests decode
+(detokenisation included: every request streams, as the server's do, with delta outputs
+unless `--output-kind cumulative`). c requests decode
 without end (ignore_eos, long max_tokens); the timed steps are pure decode steps.
 
 Prints the mean wall time per step and the share of each part (the parts are timed by
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048,
                     help="the page tables' width in the graph runner's buffers (the server's default: 8192)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--output-kind", choices=["delta", "cumulative"], default="delta",
+                    help="each output's completion: its news (the server's way) or the whole history so far")
     ap.add_argument("--no-overlap", action="store_true", help="the synchronous step")
     ap.add_argument("--graph-runner", nargs=2, metavar=("TARGET_DIR", "DRAFT_DIR"), default=None,
                     help="keep the runner's launch (the graph runner's packing of the plan into its pinned "
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ["DFLASH_KERNELS_ON_CPU"] = "1"  # graph runners exist only on the kernel path
 
-    from dflash_engine import SamplingParams
+    from dflash_engine import RequestOutputKind, SamplingParams
     from dflash_engine.config import EngineConfig
     from dflash_engine.engine import LLMEngine
     from dflash_engine.worker.in_flight import InFlight
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         runner._launch_eager = launch  # prefill-only steps: no device work either
     else:
         runner.launch = launch
-    params = SamplingParams(temperature=0, max_tokens=max_len - args.prompt_len - 64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_len - args.prompt_len - 64, ignore_eos=True,
+                            output_kind=RequestOutputKind[args.output_kind.upper()])
     for i in range(args.c):
         engine.add_request(f"r{i}", rng.integers(100, vocab - 100, args.prompt_len).tolist(), params)
     while engine.scheduler.num_running < args.c or engine.scheduler.num_waiting:

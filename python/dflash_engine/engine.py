@@ -30,7 +30,7 @@ from .distributed.executor import start_executor
 from .outputs import CompletionOutput, RequestOutput
 from .request_state import RequestState
 from .runtime_config import resolve
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .tokenizer import Tokenizer
 from .worker import step_costs
 from .worker.model_runner import ModelRunner
@@ -215,7 +215,8 @@ class LLMEngine:
         """Queue a request. Bad input raises `_core.RequestRejectedError` (a ValueError with
         `.param`) or the sampling parameters' own error; a live id `DuplicateRequestError`.
         final_only: step() reports this request once, when it finishes (no per-step outputs;
-        `LLM.generate` asks for that, as vLLM's offline API does)."""
+        `LLM.generate` asks for that, as vLLM's offline API does), whatever `params.output_kind`
+        says; `output_kind` FINAL_ONLY does the same, DELTA makes each output carry only its news."""
         vocab = self.model_config.vocab_size
         try:
             ids = [int(t) for t in prompt_token_ids]
@@ -234,7 +235,9 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
         self._requests[handle] = RequestState(
             request_id, handle, prompt, ids, params, seed & ((1 << 63) - 1),
-            self.tokenizer if params.detokenize else None, final_only=final_only,
+            self.tokenizer if params.detokenize else None,
+            final_only=final_only or params.output_kind == RequestOutputKind.FINAL_ONLY,
+            delta=params.output_kind == RequestOutputKind.DELTA,
         )
         self._stats.prompt_tokens += len(ids)
 

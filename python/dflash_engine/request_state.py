@@ -24,6 +24,7 @@ class RequestState:
         seed: int,
         tokenizer: Tokenizer | None,
         final_only: bool = False,
+        delta: bool = False,
     ):
         self.request_id = request_id
         self.handle = handle
@@ -34,12 +35,19 @@ class RequestState:
         self.sampling_row: tuple | None = None  # the engine's per-row sampling parameters (made once)
         self.token_ids: list[int] = []
         self.final_only = final_only  # no per-step outputs: one when it finishes
+        # Each output carries only what is new (RequestOutputKind.DELTA): no copy of the history,
+        # so an output costs the same at token 10 and at token 10,000.
+        self.delta = delta and not final_only
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (set by the engine)
-        self.text = ""
+        # Text released to the user, in pieces (joined when read: `text`); `_held` is decoded
+        # text not released yet (a stop string could still be completing there); `_new_parts`
+        # the text released since the last output. Appending never copies what came before.
+        self._text_parts: list[str] = []
+        self._held = ""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
         self._stopped_by_string = False
         self._new_ids: list[int] = []
-        self._new_text = ""
+        self._new_parts: list[str] = []
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
@@ -57,33 +65,47 @@ class RequestState:
         self._add_text(self._detok.add_tokens(new_ids), final=False)
         return self._stopped_by_string
 
+    @property
+    def text(self) -> str:
+        """The text released so far."""
+        if len(self._text_parts) > 1:
+            self._text_parts[:] = ["".join(self._text_parts)]
+        return self._text_parts[0] if self._text_parts else ""
+
     def _add_text(self, delta: str, final: bool) -> None:
-        # The detokenizer's text is everything decoded; `text` is what was released to the
-        # user. While a stop string could still be completing, its possible prefix is held back.
-        decoded = self._detok.text
-        start = len(decoded) - len(delta)
+        # Newly decoded text joins what is held back; while a stop string could still be
+        # completing, its possible prefix (the last max-stop-length - 1 characters) stays held.
+        # A stop match never starts in released text: what was released lies at least that far
+        # before the end of the text decoded then, and a match must reach into the new text.
+        pending = self._held + delta
+        release = len(pending)
         stops = self.params.stop_list
-        release = len(decoded)
         if stops:
-            idx = find_stop(decoded, stops, start=start)
+            idx = find_stop(pending, stops, start=len(self._held))
             if idx is not None:
                 self._stopped_by_string = True
                 release = idx
             elif not final:
-                release = max(len(self.text), release - (max(map(len, stops)) - 1))
-        released = decoded[len(self.text):release]
-        self.text += released
-        self._new_text += released
+                release = max(0, release - (max(map(len, stops)) - 1))
+        released, self._held = pending[:release], pending[release:]
+        if released:
+            self._text_parts.append(released)
+            self._new_parts.append(released)
 
     def output(self, finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
+        new_text = "".join(self._new_parts)
+        if self.delta:
+            completion = CompletionOutput(0, new_text, self._new_ids, finish_reason)
+        else:
+            completion = CompletionOutput(0, self.text, list(self.token_ids), finish_reason)
         out = RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[CompletionOutput(0, self.text, list(self.token_ids), finish_reason)],
+            outputs=[completion],
             finished=finish_reason is not None,
             new_token_ids=self._new_ids,
-            new_text=self._new_text,
+            new_text=new_text,
             error=error,
             metrics={
                 "arrival_time": self.arrival_time,
@@ -92,7 +114,7 @@ class RequestState:
             },
             num_cached_tokens=self.num_cached_tokens,
         )
-        self._new_ids, self._new_text = [], ""
+        self._new_ids, self._new_parts = [], []
         return out
 
     def finish(self, reason: str, error: str | None = None) -> RequestOutput:

@@ -8,6 +8,7 @@ can never fail because of what one request carries. A failure raises
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -38,6 +39,21 @@ def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's outputs carries (vLLM's names and values).
+
+    - CUMULATIVE: every output holds the whole text and token ids so far (the default).
+    - DELTA: each output's ``CompletionOutput`` holds only what is new since the previous
+      output; the last one carries the finish reason. The per-step cost of a long stream stays
+      flat: nothing is copied from the request's history (the server streams this way).
+    - FINAL_ONLY: no output until the request finishes, then one with everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -51,6 +67,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     detokenize: bool = True  # False: token ids only (output text ""; no stop strings)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_list: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -132,6 +149,10 @@ class SamplingParams:
             raise bad("stop", "stop strings need detokenize=True (they are matched in the text)")
         if self.seed is not None:
             self.seed = integer("seed", self.seed)
+        if not _is_int(self.output_kind) or self.output_kind not in tuple(RequestOutputKind):
+            names = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+            raise bad("output_kind", f"output_kind must be a RequestOutputKind: {names}; got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     def effective_top_k(self, vocab_size: int) -> int:
         """top_k as the sampler applies it: -1 / 0 (off) and anything above the vocabulary

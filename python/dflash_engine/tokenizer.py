@@ -255,7 +255,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""
+        self._parts: list[str] = []  # the emitted text, in pieces: joined only when read (`text`)
         # Start the window a few prompt tokens back so the first token decodes in context
         # (e.g. SentencePiece leading-space handling); those tokens are never emitted.
         # `_all` = those context tokens + every generated id, extended in place: a step
@@ -264,6 +264,14 @@ class IncrementalDetokenizer:
         self._num_ctx = len(self._all)
         self._prefix = 0  # window start (index into _all)
         self._read = self._num_ctx  # everything before this index has been emitted
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (joined on reading: appending a piece never copies the
+        text before it, so a long stream costs the same per token at its end as at its start)."""
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     @property
     def ids(self) -> list[int]:
@@ -282,7 +290,7 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
             delta = full[len(prefix_text) :]
             self._prefix, self._read = self._read, len(all_ids)
-            self.text += delta
+            self._parts.append(delta)
             return delta
         return ""
 
@@ -293,7 +301,7 @@ class IncrementalDetokenizer:
         full = self._decode(all_ids[self._prefix :])
         delta = full[len(prefix_text) :]
         self._prefix, self._read = self._read, len(all_ids)
-        self.text += delta
+        self._parts.append(delta)
         return delta
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .. import envs
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; importing the server package stays light
     from ..engine import EngineStats, LLMEngine
@@ -56,6 +56,9 @@ class RequestStream:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_tokens: int = 0
+    # The engine sends each output's news only (RequestOutputKind.DELTA): merging outputs
+    # concatenates their completions too.
+    delta: bool = False
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -76,14 +79,18 @@ class RequestStream:
             if isinstance(nxt, BaseException):
                 break
             self.queue.get_nowait()
-            item = merge_outputs(item, nxt)
+            item = merge_outputs(item, nxt, self.delta)
         return item
 
 
-def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """``later`` carrying the deltas of both (its cumulative fields already cover ``earlier``)."""
+def merge_outputs(earlier: RequestOutput, later: RequestOutput, delta: bool = False) -> RequestOutput:
+    """``later`` carrying the news of both: its cumulative fields already cover ``earlier``,
+    unless the outputs are deltas (``delta``), whose completions are the news themselves."""
     later.new_token_ids = earlier.new_token_ids + later.new_token_ids
     later.new_text = earlier.new_text + later.new_text
+    if delta:
+        c = later.outputs[0]
+        c.token_ids, c.text = later.new_token_ids, later.new_text
     return later
 
 
@@ -209,6 +216,7 @@ class EngineClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         ids = list(prompt_token_ids)
         stream = self._new_stream(request_id, client_request_id, ids, prompt)
+        stream.delta = params.output_kind == RequestOutputKind.DELTA
         self._live[request_id] = stream
         self._submit_add(stream, ids, params, prompt)
         if not self.is_healthy:  # the engine died meanwhile; its last drain may have missed this

@@ -190,7 +190,8 @@ def _engine_main(kwargs: dict[str, Any], commands: Connection, out: Connection,
 
 @dataclass(eq=False)
 class _RemoteStream(RequestStream):
-    """A RequestStream whose outputs arrive as deltas: it keeps the cumulative text and ids."""
+    """A RequestStream whose outputs arrive as deltas: it keeps the cumulative text and ids,
+    unless the request asked for deltas (`delta`)."""
 
     serial: int = 0
     prompt: str | None = None
@@ -200,10 +201,13 @@ class _RemoteStream(RequestStream):
 
     def rebuild(self, d: _Delta) -> RequestOutput:
         new_ids, new_text, finished, finish_reason, stop_reason, error, cached, metrics = d
-        self.token_ids.extend(new_ids)
-        self.text += new_text
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [CompletionOutput(0, self.text, list(self.token_ids), finish_reason, stop_reason)],
+        if self.delta:  # the news only (RequestOutputKind.DELTA): nothing kept, nothing copied
+            completion = CompletionOutput(0, new_text, new_ids, finish_reason, stop_reason)
+        else:
+            self.token_ids.extend(new_ids)
+            self.text += new_text
+            completion = CompletionOutput(0, self.text, list(self.token_ids), finish_reason, stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finished=finished, new_token_ids=new_ids, new_text=new_text, error=error,
                              metrics=metrics or {}, num_cached_tokens=cached)
 

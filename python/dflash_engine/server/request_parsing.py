@@ -15,7 +15,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..sampling_params import InvalidSamplingParamError, SamplingParams
+from ..sampling_params import InvalidSamplingParamError, RequestOutputKind, SamplingParams
 from . import protocol as p
 
 if TYPE_CHECKING:
@@ -79,6 +79,8 @@ def sampling_params(req: p.SamplingFields, max_tokens: int, vocab_size: int) -> 
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             seed=req.seed,
+            # Streamed or not, the server reads each output's news only (serving.py).
+            output_kind=RequestOutputKind.DELTA,
         )
         params.validate(vocab_size=vocab_size)
     except InvalidSamplingParamError as e:

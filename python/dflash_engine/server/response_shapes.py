@@ -1,8 +1,9 @@
 """Engine output -> OpenAI's bodies: one shape for completions, one for chat completions.
 
 A shape knows the response id, the model name and the fingerprint, and builds the whole
-response, a stream chunk, or the final usage chunk from a ``RequestOutput``; serving.py
-drives it without knowing which endpoint it serves.
+response, a stream chunk, or the final usage chunk from a ``RequestOutput`` (the last one)
+and what serving.py gathered from the request's outputs (they are deltas: the text and the
+completion token count); serving.py drives it without knowing which endpoint it serves.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def sse(obj: BaseModel | dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(out: RequestOutput) -> p.UsageInfo:
-    return p.UsageInfo.of(len(out.prompt_token_ids), len(out.outputs[0].token_ids), out.num_cached_tokens)
+def _usage(out: RequestOutput, completion_tokens: int) -> p.UsageInfo:
+    return p.UsageInfo.of(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)
 
 
 class CompletionShape:
@@ -44,15 +45,15 @@ class CompletionShape:
         return p.CompletionResponse(id=self.id, model=self.model, system_fingerprint=self.fingerprint,
                                     choices=[choice])
 
-    def usage_chunk(self, out: RequestOutput) -> BaseModel:
+    def usage_chunk(self, out: RequestOutput, completion_tokens: int) -> BaseModel:
         return p.CompletionResponse(id=self.id, model=self.model, system_fingerprint=self.fingerprint,
-                                    choices=[], usage=_usage(out))
+                                    choices=[], usage=_usage(out, completion_tokens))
 
-    def full(self, out: RequestOutput) -> BaseModel:
+    def full(self, out: RequestOutput, text: str, completion_tokens: int) -> BaseModel:
         c = out.outputs[0]
-        choice = p.CompletionChoice(text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        choice = p.CompletionChoice(text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         return p.CompletionResponse(id=self.id, model=self.model, system_fingerprint=self.fingerprint,
-                                    choices=[choice], usage=_usage(out))
+                                    choices=[choice], usage=_usage(out, completion_tokens))
 
 
 class ChatShape(CompletionShape):
@@ -70,13 +71,13 @@ class ChatShape(CompletionShape):
         return p.ChatCompletionChunk(id=self.id, model=self.model, system_fingerprint=self.fingerprint,
                                      choices=[choice])
 
-    def usage_chunk(self, out: RequestOutput) -> BaseModel:
+    def usage_chunk(self, out: RequestOutput, completion_tokens: int) -> BaseModel:
         return p.ChatCompletionChunk(id=self.id, model=self.model, system_fingerprint=self.fingerprint,
-                                     choices=[], usage=_usage(out))
+                                     choices=[], usage=_usage(out, completion_tokens))
 
-    def full(self, out: RequestOutput) -> BaseModel:
+    def full(self, out: RequestOutput, text: str, completion_tokens: int) -> BaseModel:
         c = out.outputs[0]
-        choice = p.ChatChoice(message=p.ChatResponseMessage(content=c.text),
+        choice = p.ChatChoice(message=p.ChatResponseMessage(content=text),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         return p.ChatCompletionResponse(id=self.id, model=self.model, system_fingerprint=self.fingerprint,
-                                        choices=[choice], usage=_usage(out))
+                                        choices=[choice], usage=_usage(out, completion_tokens))

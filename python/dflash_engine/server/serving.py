@@ -1,7 +1,9 @@
 """One request through the engine: generate, watch for a disconnect, answer whole or streamed.
 
-A streamed request is answered only once its first output (or its error) exists, so an
-engine-side refusal is still a 400 rather than an error inside a 200. Once the stream's
+The engine sends each output's news only (RequestOutputKind.DELTA, set by request_parsing):
+a whole answer gathers the text and counts the tokens as they come, so no output copies the
+request's history. A streamed request is answered only once its first output (or its error)
+exists, so an engine-side refusal is still a 400 rather than an error inside a 200. Once the stream's
 headers are sent, an error travels inside the stream as an error event. A client that
 disconnects aborts its own request (by the internal id its connection minted), nothing else.
 """
@@ -41,10 +43,11 @@ async def serve(engine: EngineClient, request: Request, request_id: str, client_
             handed_over = True
             return StreamingResponse(_stream(first, outputs, watcher, req.include_usage, shape),
                                      media_type="text/event-stream")
-        final = first
-        async for final in outputs:  # noqa: B007  (only the last output is answered)
-            pass
-        return JSONResponse(shape.full(final).model_dump())
+        final, texts, n = first, [first.new_text], len(first.new_token_ids)
+        async for final in outputs:  # the outputs are deltas: gather the text, count the tokens
+            texts.append(final.new_text)
+            n += len(final.new_token_ids)
+        return JSONResponse(shape.full(final, "".join(texts), n).model_dump())
     except ENGINE_ERRORS as e:
         err = as_openai_error(e)
         if shape.prompt_param != "prompt" and err.info.param == "prompt":
@@ -62,8 +65,9 @@ async def _stream(first: RequestOutput, outputs: AsyncGenerator[RequestOutput, N
     try:
         for chunk in shape.head():
             yield sse(chunk)
-        out = first
+        out, n = first, 0
         while True:
+            n += len(out.new_token_ids)
             c = out.outputs[0]
             if out.new_text or out.finished:
                 finish = c.finish_reason if out.finished else None
@@ -72,7 +76,7 @@ async def _stream(first: RequestOutput, outputs: AsyncGenerator[RequestOutput, N
                 break
             out = await anext(outputs)
         if include_usage:
-            yield sse(shape.usage_chunk(out))
+            yield sse(shape.usage_chunk(out, n))
     except Exception as e:  # noqa: BLE001  (headers are sent: the error goes in the stream)
         yield sse(p.ErrorResponse(error=as_openai_error(e).info))
     finally:
