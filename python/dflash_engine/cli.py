@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -18,18 +19,28 @@ def _generate(args: argparse.Namespace) -> int:
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype or "auto",
         distributed_executor_backend=args.distributed_executor_backend or "mp",
     )
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    if args.chat:
-        outs = llm.chat([{"role": "user", "content": p} for p in args.prompts][:1], params, use_tqdm=False)
-    else:
-        outs = llm.generate(list(args.prompts), params, use_tqdm=False)
-    for out in outs:
-        print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
-                          "finish_reason": out.outputs[0].finish_reason}, ensure_ascii=False))
-    st = llm.stats()
-    if st.spec_num_drafts:
-        print(f"# DFlash: drafts={st.spec_num_drafts} accepted={st.spec_num_accepted_tokens} "
-              f"tau={st.mean_acceptance_length:.2f}", file=sys.stderr)
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        if args.chat:
+            outs = llm.chat([{"role": "user", "content": p} for p in args.prompts][:1], params, use_tqdm=False)
+        else:
+            outs = llm.generate(list(args.prompts), params, use_tqdm=False)
+        for out in outs:
+            print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
+                              "finish_reason": out.outputs[0].finish_reason}, ensure_ascii=False))
+        st = llm.stats()
+        if st.spec_num_drafts:
+            print(f"# DFlash: drafts={st.spec_num_drafts} accepted={st.spec_num_accepted_tokens} "
+                  f"tau={st.mean_acceptance_length:.2f}", file=sys.stderr)
+    finally:
+        llm.engine.close()  # the ranks and their groups stop now, not in the interpreter's teardown
+    if args.distributed_executor_backend == "external_launcher":
+        # A torchrun rank 0 leaves as its other ranks do (distributed/worker.py): done and
+        # flushed, without the interpreter's teardown, where gloo's threads can abort the
+        # process after the work is done (exit -6; distributed/groups.py, Groups.shutdown).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
