@@ -240,3 +240,57 @@ def test_random_operations_keep_invariants_and_drain(seed):
         s.commit(p, [0] * len(p), [5] * len(p.sample_rows))
     assert s.num_live == 0
     assert s.num_free_pages == s.num_usable_pages
+
+
+def test_stage_into_copies_and_pads_like_numpy():
+    """StepPlan.stage_into (the graph runner's staging, one call) equals the numpy reference on
+    random prefill + decode plans, leaves everything outside its fields alone, and refuses a
+    field that does not fit, an unknown name and a read-only buffer before writing anything."""
+    from test_mixed_graphs import stage_into_reference
+
+    names = ["input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows",
+             "draft_input_ids", "draft_positions", "draft_slot_mapping", "draft_seq_lens",
+             "state_read", "state_write", "verify_target_rows", "draft_proposal_rows"]
+    rng = random.Random(3)
+    s = make()
+    for i in range(6):
+        s.add_request(f"r{i}", [rng.randrange(1, 900) for _ in range(rng.randint(1, 9))], 40)
+    for _ in range(12):
+        p = s.schedule()
+        fields, at = [], 0
+        for name in rng.sample(names, 8):
+            n = len(getattr(p, name))
+            if n == 0:
+                continue  # (state arrays: empty without a hybrid target)
+            total = n + rng.randint(0, 5)
+            fields.append((name, at, total, rng.choice([None, -1, 0, 7])))
+            at += total + rng.randint(0, 3)
+        width = p.page_tables.shape[1] + rng.randint(0, 3)
+        pages = (at, width, rng.randint(0, 8), rng.randint(0, width))
+        got = np.full(at + max(len(p), pages[2]) * width + 4, -99, np.int64)
+        want = got.copy()
+        p.stage_into(got, fields, pages)
+        stage_into_reference(p, want, fields, pages)
+        assert np.array_equal(got, want), (fields, pages)
+        got2 = got.copy()
+        p.stage_into(got2, fields)  # without pages: the tables' region untouched
+        assert np.array_equal(got2, got)
+        s.commit(p, np.minimum(p.num_drafts, rng.randint(0, 3)), np.arange(len(p.sample_rows)) + 3)
+    p = s.schedule()
+    buf = np.zeros(64, np.int64)
+    with pytest.raises(ValueError, match="does not fit"):
+        p.stage_into(buf, [("positions", 0, 1, 0)] if len(p.positions) > 1 else [("positions", 63, 2, 0)])
+    with pytest.raises(ValueError, match="does not fit"):
+        p.stage_into(buf, [("input_ids", 0, len(p.input_ids), 0), ("positions", 60, len(p.positions) + 8, 0)])
+    assert (buf == 0).all(), "nothing written when a field does not fit"
+    with pytest.raises(ValueError, match="do not fit"):
+        p.stage_into(buf, [], (0, p.page_tables.shape[1] - 1, 0, 0))
+    with pytest.raises(ValueError, match="do not fit"):
+        p.stage_into(buf, [], (60, p.page_tables.shape[1], 0, 0))
+    assert (buf == 0).all()
+    with pytest.raises(ValueError, match="no one-dimensional array"):
+        p.stage_into(buf, [("page_tables", 0, 4, 0)])
+    ro = np.zeros(64, np.int64)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="not writeable"):
+        p.stage_into(ro, [("input_ids", 0, len(p.input_ids), 0)])

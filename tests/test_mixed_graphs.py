@@ -27,9 +27,31 @@ def runner(b: int = 3, d: int = 4, mixed_tokens: int = 64) -> GraphRunner:
                        enforce_eager=True, capture_buckets=[], device=torch.device("cpu"), mixed_tokens=mixed_tokens)
 
 
+def stage_into_reference(plan, dst: np.ndarray, fields, pages=None) -> None:
+    """StepPlan.stage_into in numpy: each named array at its offset, then its padding (None:
+    the array's last value) up to its length; the page tables as rows of `width` at `at`,
+    zeroing what the previous staging's (rows, columns) covered and these do not.
+    tests/test_core.py checks the core's against it."""
+    for name, at, total, pad in fields:
+        a = np.asarray(getattr(plan, name))
+        dst[at:at + len(a)] = a
+        dst[at + len(a):at + total] = a[-1] if pad is None else pad
+    if pages is not None:
+        at, width, rows_before, cols_before = pages
+        t = np.asarray(plan.page_tables)
+        r, w = t.shape
+        table = dst[at:at + max(r, rows_before) * width].reshape(-1, width)
+        table[:r, :w] = t
+        table[r:rows_before, :cols_before] = 0
+        table[:min(r, rows_before), w:cols_before] = 0
+
+
 class Plan(SimpleNamespace):
     def __len__(self) -> int:
         return self.r
+
+    def stage_into(self, dst: np.ndarray, fields, pages=None) -> None:
+        stage_into_reference(self, dst, fields, pages)
 
 
 def make(b: int, decode_positions: list[int], chunks: list[tuple[int, int, bool]], d: int = 4) -> Plan:
@@ -131,6 +153,46 @@ def test_staged_page_tables_are_each_plans_own_and_the_null_page_elsewhere():
         assert (full.reshape(-1, g.width) == want).all()
     g.reset_inputs()
     assert (full == 0).all() and g._pages_used == (0, 0)
+
+
+def test_staged_sampling_fields_are_always_this_steps_even_when_their_writes_are_skipped():
+    """Steady decoding hands `_stage` the same sampling arrays step after step and they are then
+    not rewritten: after any sequence of decode and mixed plans, bucket changes, reused or new
+    arrays and captures (reset_inputs), the staged sampling fields are exactly this plan's."""
+    b, d = 3, 4
+    g = runner(b, d)
+    rng = np.random.default_rng(9)
+    v = {name: g._view(g.host_i64, name).numpy() for name, _ in g.fields}
+    f32, big = g.host_f32.numpy(), g.max_sample
+    st, key, skipped, rd = None, None, 0, 1
+    for _ in range(200):
+        if rng.random() < 0.3:  # otherwise the batch stays (steady decoding)
+            rd = int(rng.integers(1, 9))
+        chunks = [(0, int(rng.integers(1, 6)), True)] * int(rng.integers(1, 3)) if rd <= 4 and rng.random() < 0.3 else []
+        p = make(b, [10] * rd, chunks, d)
+        n = len(p.sample_rows)
+        if st is None or key != (rd, len(chunks)) or rng.random() < 0.2:  # a new batch: new arrays
+            st = {"top_k": rng.integers(2, 50, n), "seed": rng.integers(0, 1 << 40, n), "greedy": rng.random(n) < 0.5,
+                  "temperature": rng.random(n).astype(np.float32), "top_p": rng.random(n).astype(np.float32),
+                  "min_p": rng.random(n).astype(np.float32)}
+            key = (rd, len(chunks))
+        if rng.random() < 0.05:
+            g.reset_inputs()
+        bs, pb = g.bucket(rd), (g.mixed_bucket(p) or 0) if chunks else 0
+        before = g._staged_sampling
+        slot_of = g._stage(p, st, bs, pb)
+        skipped += before is not None and g._staged_sampling is before
+        ns = g._shape(bs, pb)[2]
+        slots = np.arange(n) if slot_of is None else slot_of
+        for name, pad in (("top_k", 1), ("seed", 0), ("greedy", 1)):
+            want = np.full(ns, pad, np.int64)
+            want[slots] = st[name]
+            assert (v[name][:ns] == want).all(), name
+        for i, name in enumerate(("temperature", "top_p", "min_p")):
+            want = np.ones(ns, np.float32)
+            want[slots] = st[name]
+            assert (f32[i * big:i * big + ns] == want).all(), name
+    assert skipped > 50, "steady decoding skips rewriting its sampling fields"
 
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter mode is for machines without a GPU")

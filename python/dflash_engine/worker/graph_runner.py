@@ -100,6 +100,7 @@ def bucket_of(buckets: list[int], num_reqs: int) -> int:
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+_SAMPLING_FIELDS = ("top_k", "seed", "greedy", *_FLOAT_FIELDS)
 
 
 class GraphRunner:
@@ -160,11 +161,17 @@ class GraphRunner:
         # between steps, where making 17 views a step cost ~85 us of the ~130 us it took.
         self._np = {name: self._view(self.host_i64, name).numpy() for name, _ in self.fields}
         self._np_f32 = self.host_f32.numpy()
+        self._np_i64 = self.host_i64.numpy()
         self._np_out = self.host_out.numpy()
-        # The page tables as [requests, width] rows (every bucket's rows are a prefix), and the
-        # extent the last staging wrote: everything outside it is the null page (0), so staging
-        # zeroes only what the last plan covered and this one does not, not every row's width.
-        self._pages = self._np["pages"].reshape(nr, self.width)
+        # Per (bucket, P): the plan arrays `_stage` copies in one core call (StepPlan.stage_into).
+        self._plan_fields: dict[tuple[int, int], list[tuple[str, int, int, int | None]]] = {}
+        # The sampling arrays the pinned buffers hold from the last decode staging, and its slot
+        # count: steady decoding stages the same arrays again (engine._sampling_arrays reuses
+        # them while the batch stays), so they are written only when they change.
+        self._staged_sampling: tuple[int, tuple[np.ndarray, ...]] | None = None
+        # The extent of the page tables the last staging wrote ([requests, width] rows of
+        # "pages"): everything outside it is the null page (0), so staging zeroes only what the
+        # last plan covered and this one does not, not every row's width.
         self._pages_used = (0, 0)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bs, P (0: decode), all greedy)
         self.steps = {"decode": 0, "mixed": 0}  # steps this runner ran, by kind
@@ -222,30 +229,39 @@ class GraphRunner:
         pr = MIXED_REQUESTS if p else 0
         return bs * self.b + p, bs + pr, bs * self.b + pr
 
+    def _fields(self, bs: int, p: int) -> list[tuple[str, int, int, int | None]]:
+        """(plan array, offset in the pinned buffer, length at bucket `bs` and `p`, padding;
+        None: the array's last value) of every plan array `_stage` copies."""
+        fields = self._plan_fields.get((bs, p))
+        if fields is None:
+            n, nr, _ = self._shape(bs, p)
+            dn = bs * self.d
+            at = {name: self.offsets[name][0] for name, _ in self.fields}
+            fields = [("input_ids", at["input_ids"], n, 0), ("positions", at["positions"], n, 0),
+                      ("slot_mapping", at["slots"], n, -1),
+                      ("query_start_loc", at["qsl"], nr + 1, None),  # padding requests: empty, at the end
+                      ("seq_lens", at["seq_lens"], nr, 0)]
+            if self.d:
+                fields += [("draft_input_ids", at["d_ids"], dn, 0), ("draft_positions", at["d_positions"], dn, 0),
+                           ("draft_slot_mapping", at["d_slots"], dn, -1), ("draft_seq_lens", at["d_seq_lens"], bs, 0)]
+            if self.hybrid:
+                fields += [("state_read", at["s_read"], bs, -1), ("state_write", at["s_write"], n, -1)]
+            self._plan_fields[(bs, p)] = fields
+        return fields
+
     def _stage(self, plan, st: dict[str, np.ndarray], bs: int, p: int) -> np.ndarray | None:
         """Pack the plan (padded to bucket `bs`, and `p` prefill tokens) into the pinned
         buffers. -> for a mixed step, the sample slot of each of the plan's sample rows."""
         r, rd = len(plan), plan.num_decode
-        n, nr, ns = self._shape(bs, p)
-        rows, drows, dn = int(plan.query_start_loc[r]), rd * self.d, bs * self.d
+        ns = self._shape(bs, p)[2]
         v = self._np
-
-        def put(name: str, real: np.ndarray, used: int, total: int, pad: int) -> None:
-            v[name][:used] = real
-            v[name][used:total] = pad
-
-        put("input_ids", plan.input_ids, rows, n, 0)
-        put("positions", plan.positions, rows, n, 0)
-        put("slots", plan.slot_mapping, rows, n, -1)
-        put("qsl", plan.query_start_loc, r + 1, nr + 1, rows)
-        put("seq_lens", plan.seq_lens, r, nr, 0)
-        pages, (pr, pw), w = self._pages, self._pages_used, plan.page_tables.shape[1]
-        pages[:r, :w] = plan.page_tables
-        pages[r:pr, :pw] = 0
-        pages[:min(r, pr), w:pw] = 0
-        self._pages_used = (r, w)
+        # The plan's arrays, padded, and its page tables (zeroing what the last plan's covered
+        # and this one's do not): one core call.
+        plan.stage_into(self._np_i64, self._fields(bs, p), (self.offsets["pages"][0], self.width, *self._pages_used))
+        self._pages_used = (r, plan.page_tables.shape[1])
         slot_of = None
         if p:
+            rows = int(plan.query_start_loc[r])
             # Decoding slot i's block: rows i*B.. (real) or distinct padding rows from `rows` on.
             blocks = np.arange(bs * self.b, dtype=np.int64).reshape(bs, self.b)
             blocks[rd:] += rows - rd * self.b
@@ -257,20 +273,18 @@ class GraphRunner:
             ss = plan.sample_start
             slot_of = np.concatenate([np.arange(rd * self.b, dtype=np.int64),
                                       bs * self.b + np.flatnonzero(np.diff(ss[rd:]))])
+        sampling = tuple(st[name] for name in _SAMPLING_FIELDS)
+        last = self._staged_sampling
+        if slot_of is None and last is not None and last[0] == ns and all(a is b for a, b in zip(last[1], sampling)):
+            return None  # the same arrays as the last decode step's: the buffers hold them already
+        self._staged_sampling = (ns, sampling) if slot_of is None else None
         for name, pad in (("top_k", 1), ("seed", 0), ("greedy", 1)):
             if slot_of is None:
-                put(name, st[name], len(st[name]), ns, pad)
+                v[name][:len(st[name])] = st[name]
+                v[name][len(st[name]):ns] = pad
             else:
                 v[name][:ns] = pad
                 v[name][slot_of] = st[name]
-        if self.d:
-            put("d_ids", plan.draft_input_ids, drows, dn, 0)
-            put("d_positions", plan.draft_positions, drows, dn, 0)
-            put("d_slots", plan.draft_slot_mapping, drows, dn, -1)
-            put("d_seq_lens", plan.draft_seq_lens, rd, bs, 0)
-        if self.hybrid:
-            put("s_read", plan.state_read, r, bs, -1)
-            put("s_write", plan.state_write, rows, n, -1)
         f = self._np_f32
         big = self.max_sample
         for i, name in enumerate(_FLOAT_FIELDS):
@@ -387,6 +401,7 @@ class GraphRunner:
             self._view(self.host_i64, name).numpy()[:] = 1
         self.host_f32.numpy()[:] = 1.0
         self._pages_used = (0, 0)
+        self._staged_sampling = None
         self.dev_i64.copy_(self.host_i64)
         self.dev_f32.copy_(self.host_f32)
 
