@@ -71,9 +71,10 @@ class StepPlan:
     state_read: npt.NDArray[np.int64]
     state_write: npt.NDArray[np.int64]
     def __len__(self) -> int: ...
-    def stage_into(self, dst: npt.NDArray[np.int64],
-                   fields: list[tuple[str, int, int, int | None]]) -> None:
-        """Copy the named 1-D arrays into `dst`: (name, at, total, pad); pad None: the last value."""
+    def stage_into(self, dst: npt.NDArray[np.int64], fields: list[tuple[str, int, int, int | None]],
+                   pages: tuple[int, int, int, int] | None = None) -> None:
+        """Copy the named 1-D arrays into `dst`: (name, at, total, pad); pad None: the last value.
+        pages: (at, width, rows before, columns before): the page tables as rows of `width`."""
 
 class CommitResult:
     handles: npt.NDArray[np.uint64]
