@@ -248,6 +248,8 @@ def test_stage_into_copies_and_pads_like_numpy():
     field that does not fit, an unknown name and a read-only buffer before writing anything."""
     from test_mixed_graphs import stage_into_reference
 
+    from dflash_engine.distributed.step_message import WirePlan
+
     names = ["input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows",
              "draft_input_ids", "draft_positions", "draft_slot_mapping", "draft_seq_lens",
              "state_read", "state_write", "verify_target_rows", "draft_proposal_rows"]
@@ -272,6 +274,10 @@ def test_stage_into_copies_and_pads_like_numpy():
         p.stage_into(got, fields, pages)
         stage_into_reference(p, want, fields, pages)
         assert np.array_equal(got, want), (fields, pages)
+        wire = WirePlan(len(p), {}, {name: getattr(p, name) for name in [*names, "page_tables"]})
+        on_worker = np.full_like(got, -99)  # a tensor-parallel worker's copy of the plan stages alike
+        wire.stage_into(on_worker, fields, pages)
+        assert np.array_equal(on_worker, want), (fields, pages)
         got2 = got.copy()
         p.stage_into(got2, fields)  # without pages: the tables' region untouched
         assert np.array_equal(got2, got)
