@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash_engine import LLM, SamplingParams
+from dflash_engine.distributed.step_message import WirePlan
 from dflash_engine.worker.graph_runner import MIXED_REQUESTS, GraphRunner, mixed_buckets
 
 
@@ -27,31 +28,13 @@ def runner(b: int = 3, d: int = 4, mixed_tokens: int = 64) -> GraphRunner:
                        enforce_eager=True, capture_buckets=[], device=torch.device("cpu"), mixed_tokens=mixed_tokens)
 
 
-def stage_into_reference(plan, dst: np.ndarray, fields, pages=None) -> None:
-    """StepPlan.stage_into in numpy: each named array at its offset, then its padding (None:
-    the array's last value) up to its length; the page tables as rows of `width` at `at`,
-    zeroing what the previous staging's (rows, columns) covered and these do not.
-    tests/test_core.py checks the core's against it."""
-    for name, at, total, pad in fields:
-        a = np.asarray(getattr(plan, name))
-        dst[at:at + len(a)] = a
-        dst[at + len(a):at + total] = a[-1] if pad is None else pad
-    if pages is not None:
-        at, width, rows_before, cols_before = pages
-        t = np.asarray(plan.page_tables)
-        r, w = t.shape
-        table = dst[at:at + max(r, rows_before) * width].reshape(-1, width)
-        table[:r, :w] = t
-        table[r:rows_before, :cols_before] = 0
-        table[:min(r, rows_before), w:cols_before] = 0
-
-
 class Plan(SimpleNamespace):
     def __len__(self) -> int:
         return self.r
 
-    def stage_into(self, dst: np.ndarray, fields, pages=None) -> None:
-        stage_into_reference(self, dst, fields, pages)
+    # The numpy staging a tensor-parallel worker's plan copy uses (tests/test_core.py checks the
+    # core's against it).
+    stage_into = WirePlan.stage_into
 
 
 def make(b: int, decode_positions: list[int], chunks: list[tuple[int, int, bool]], d: int = 4) -> Plan:

@@ -10,7 +10,7 @@ import time
 
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from .tokenizer import IncrementalDetokenizer, TextPieces, Tokenizer, find_stop
 
 
 class RequestState:
@@ -39,15 +39,15 @@ class RequestState:
         # so an output costs the same at token 10 and at token 10,000.
         self.delta = delta and not final_only
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (set by the engine)
-        # Text released to the user, in pieces (joined when read: `text`); `_held` is decoded
-        # text not released yet (a stop string could still be completing there); `_new_parts`
-        # the text released since the last output. Appending never copies what came before.
-        self._text_parts: list[str] = []
+        # Text released to the user (`text`); `_held` is decoded text not released yet (a stop
+        # string could still be completing there); `_new_text` the text released since the last
+        # output. Appending never copies what came before.
+        self._released = TextPieces()
         self._held = ""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
         self._stopped_by_string = False
         self._new_ids: list[int] = []
-        self._new_parts: list[str] = []
+        self._new_text = TextPieces()
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
@@ -68,9 +68,7 @@ class RequestState:
     @property
     def text(self) -> str:
         """The text released so far."""
-        if len(self._text_parts) > 1:
-            self._text_parts[:] = ["".join(self._text_parts)]
-        return self._text_parts[0] if self._text_parts else ""
+        return str(self._released)
 
     def _add_text(self, delta: str, final: bool) -> None:
         # Newly decoded text joins what is held back; while a stop string could still be
@@ -88,12 +86,11 @@ class RequestState:
             elif not final:
                 release = max(0, release - (max(map(len, stops)) - 1))
         released, self._held = pending[:release], pending[release:]
-        if released:
-            self._text_parts.append(released)
-            self._new_parts.append(released)
+        self._released.append(released)
+        self._new_text.append(released)
 
     def output(self, finish_reason: str | None = None, error: str | None = None) -> RequestOutput:
-        new_text = "".join(self._new_parts)
+        new_text = str(self._new_text)
         if self.delta:
             completion = CompletionOutput(0, new_text, self._new_ids, finish_reason)
         else:
@@ -114,7 +111,7 @@ class RequestState:
             },
             num_cached_tokens=self.num_cached_tokens,
         )
-        self._new_ids, self._new_parts = [], []
+        self._new_ids, self._new_text = [], TextPieces()
         return out
 
     def finish(self, reason: str, error: str | None = None) -> RequestOutput:

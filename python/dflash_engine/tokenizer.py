@@ -237,6 +237,26 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+class TextPieces:
+    """Text built by appending: the pieces are joined only when the whole is read, so appending
+    never copies what came before (a long stream costs the same per token at its end as at
+    its start)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._parts.append(piece)
+
+    def __str__(self) -> str:
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+
 class IncrementalDetokenizer:
     """Per-request streaming detokenizer.
 
@@ -255,7 +275,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._parts: list[str] = []  # the emitted text, in pieces: joined only when read (`text`)
+        self._emitted = TextPieces()
         # Start the window a few prompt tokens back so the first token decodes in context
         # (e.g. SentencePiece leading-space handling); those tokens are never emitted.
         # `_all` = those context tokens + every generated id, extended in place: a step
@@ -267,11 +287,8 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """Everything emitted so far (joined on reading: appending a piece never copies the
-        text before it, so a long stream costs the same per token at its end as at its start)."""
-        if len(self._parts) > 1:
-            self._parts[:] = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
+        """Everything emitted so far."""
+        return str(self._emitted)
 
     @property
     def ids(self) -> list[int]:
@@ -290,7 +307,7 @@ class IncrementalDetokenizer:
         if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
             delta = full[len(prefix_text) :]
             self._prefix, self._read = self._read, len(all_ids)
-            self._parts.append(delta)
+            self._emitted.append(delta)
             return delta
         return ""
 
@@ -301,7 +318,7 @@ class IncrementalDetokenizer:
         full = self._decode(all_ids[self._prefix :])
         delta = full[len(prefix_text) :]
         self._prefix, self._read = self._read, len(all_ids)
-        self._parts.append(delta)
+        self._emitted.append(delta)
         return delta
 
 
