@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--output-kind", choices=["delta", "cumulative"], default="delta",
                     help="each output's completion: its news (the server's way) or the whole history so far")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="each request finishes after this many tokens and a new one takes its seat (the "
+                         "serving ladder's churn: arrivals bring prefill steps and new batches); 0: decode "
+                         "without end")
     ap.add_argument("--no-overlap", action="store_true", help="the synchronous step")
     ap.add_argument("--graph-runner", nargs=2, metavar=("TARGET_DIR", "DRAFT_DIR"), default=None,
                     help="keep the runner's launch (the graph runner's packing of the plan into its pinned "
@@ -90,14 +94,25 @@ def main(argv: list[str] | None = None) -> int:
         runner._launch_eager = launch  # prefill-only steps: no device work either
     else:
         runner.launch = launch
-    params = SamplingParams(temperature=0, max_tokens=max_len - args.prompt_len - 64, ignore_eos=True,
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens or max_len - args.prompt_len - 64, ignore_eos=True,
                             output_kind=RequestOutputKind[args.output_kind.upper()])
-    for i in range(args.c):
-        engine.add_request(f"r{i}", rng.integers(100, vocab - 100, args.prompt_len).tolist(), params)
+    serial = iter(range(10**9))
+
+    def add(n):
+        for _ in range(n):
+            engine.add_request(f"r{next(serial)}", rng.integers(100, vocab - 100, args.prompt_len).tolist(), params)
+
+    def step():
+        outs = engine.step()
+        if args.max_tokens:  # a finished request's seat goes to a new one, as a client at concurrency c does
+            add(sum(o.finished for o in outs))
+        return outs
+
+    add(args.c)
     while engine.scheduler.num_running < args.c or engine.scheduler.num_waiting:
-        engine.step()
+        step()
     for _ in range(20):  # past the prefill steps' pending outputs
-        engine.step()
+        step()
     engine.runner.step_timer.host.reset()
 
     # Time the parts by wrapping them (each wrapper adds ~0.3 us).
@@ -150,14 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     if prof:
         prof.enable()
     n_out = 0
+    first = next(serial)
     for _ in range(args.steps):
-        n_out += len(engine.step())
+        n_out += len(step())
     if prof:
         prof.disable()
     wall = time.perf_counter() - t0
     per = wall / args.steps
     print(f"c={args.c} K={args.k} overlap={engine.overlap}: {per * 1e6:.0f} us per step "
-          f"({args.steps} steps, {n_out / args.steps:.1f} outputs a step)")
+          f"({args.steps} steps, {n_out / args.steps:.1f} outputs a step"
+          + (f", {next(serial) - first - 1} arrivals)" if args.max_tokens else ")"))
     for name, sec in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<22} {sec / args.steps * 1e6:8.1f} us  {100 * sec / wall:5.1f}%")
     if gap["n"]:

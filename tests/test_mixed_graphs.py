@@ -14,6 +14,7 @@ import torch
 from dflash_engine import LLM, SamplingParams
 from dflash_engine.distributed.step_message import WirePlan
 from dflash_engine.worker.graph_runner import MIXED_REQUESTS, GraphRunner, mixed_buckets
+from dflash_engine.worker.sampling_batch import RequestParams, SamplingBatch
 
 
 def test_mixed_buckets():
@@ -66,6 +67,11 @@ def make(b: int, decode_positions: list[int], chunks: list[tuple[int, int, bool]
         r=r)
 
 
+def batch(p, **values) -> SamplingBatch:
+    """A step's sampling parameters from one value per request of plan `p`."""
+    return SamplingBatch(RequestParams(values, p.sample_start), p)
+
+
 def test_which_mixed_plans_fit_a_graph():
     g = runner()
     assert g.mixed_bucket(make(3, [10, 20], [(0, 5, True)])) == 16
@@ -88,10 +94,9 @@ def test_a_mixed_plan_is_staged_with_padding_blocks_apart_from_real_rows():
     p = make(b, [10, 20, 30], [(0, 5, True), (40, 6, False)])  # 3 decoding requests: bucket 4
     bs, pb = g.bucket(3), g.mixed_bucket(p)
     assert (bs, pb) == (4, 16)
-    n_samples = len(p.sample_rows)
-    st = {"top_k": np.arange(n_samples) + 2, "seed": np.arange(n_samples) + 50, "greedy": np.zeros(n_samples, bool),
-          "temperature": np.full(n_samples, 0.5, np.float32), "top_p": np.full(n_samples, 0.9, np.float32),
-          "min_p": np.zeros(n_samples, np.float32)}
+    r = len(p)
+    st = batch(p, top_k=np.arange(r) + 2, seed=np.arange(r) + 50, greedy=np.zeros(r, bool),
+               temperature=np.full(r, 0.5), top_p=np.full(r, 0.9), min_p=np.zeros(r))
     slot_of = g._stage(p, st, bs, pb)
     v = {name: g._view(g.host_i64, name).numpy() for name, _ in g.fields}
     rows, n = p.num_rows, bs * b + pb  # 9 + 11 real rows; 12 + 16 in the graph
@@ -126,9 +131,9 @@ def test_staged_page_tables_are_each_plans_own_and_the_null_page_elsewhere():
         p = make(b, [10] * rd, chunks, d)
         width = int(rng.integers(1, g.width + 1))
         p.page_tables = rng.integers(1, 1000, size=(len(p), width)).astype(np.int32)
-        n = len(p.sample_rows)
-        st = {"top_k": np.ones(n, np.int64), "seed": np.zeros(n, np.int64), "greedy": np.ones(n, bool),
-              "temperature": np.ones(n, np.float32), "top_p": np.ones(n, np.float32), "min_p": np.zeros(n, np.float32)}
+        n = len(p)
+        st = batch(p, top_k=np.ones(n), seed=np.zeros(n), greedy=np.ones(n, bool), temperature=np.ones(n),
+                   top_p=np.ones(n), min_p=np.zeros(n))
         pb = g.mixed_bucket(p) if chunks else 0
         g._stage(p, st, g.bucket(rd), pb or 0)
         want = np.zeros_like(full).reshape(-1, g.width)
@@ -139,26 +144,28 @@ def test_staged_page_tables_are_each_plans_own_and_the_null_page_elsewhere():
 
 
 def test_staged_sampling_fields_are_always_this_steps_even_when_their_writes_are_skipped():
-    """Steady decoding hands `_stage` the same sampling arrays step after step and they are then
-    not rewritten: after any sequence of decode and mixed plans, bucket changes, reused or new
-    arrays and captures (reset_inputs), the staged sampling fields are exactly this plan's."""
+    """Steady decoding hands `_stage` the same per-request parameters step after step and they
+    are then not rewritten: after any sequence of decode and mixed plans, bucket changes, reused
+    or new parameters and captures (reset_inputs), the staged sampling fields are exactly this
+    plan's, row by row."""
     b, d = 3, 4
     g = runner(b, d)
     rng = np.random.default_rng(9)
     v = {name: g._view(g.host_i64, name).numpy() for name, _ in g.fields}
     f32, big = g.host_f32.numpy(), g.max_sample
-    st, key, skipped, rd = None, None, 0, 1
+    params, key, skipped, rd = None, None, 0, 1
     for _ in range(200):
         if rng.random() < 0.3:  # otherwise the batch stays (steady decoding)
             rd = int(rng.integers(1, 9))
         chunks = [(0, int(rng.integers(1, 6)), True)] * int(rng.integers(1, 3)) if rd <= 4 and rng.random() < 0.3 else []
         p = make(b, [10] * rd, chunks, d)
-        n = len(p.sample_rows)
-        if st is None or key != (rd, len(chunks)) or rng.random() < 0.2:  # a new batch: new arrays
-            st = {"top_k": rng.integers(2, 50, n), "seed": rng.integers(0, 1 << 40, n), "greedy": rng.random(n) < 0.5,
-                  "temperature": rng.random(n).astype(np.float32), "top_p": rng.random(n).astype(np.float32),
-                  "min_p": rng.random(n).astype(np.float32)}
+        n, r = len(p.sample_rows), len(p)
+        if params is None or key != (rd, len(chunks)) or rng.random() < 0.2:  # a new batch: new parameters
+            params = RequestParams({"top_k": rng.integers(2, 50, r), "seed": rng.integers(0, 1 << 40, r),
+                                    "greedy": rng.random(r) < 0.5, "temperature": rng.random(r),
+                                    "top_p": rng.random(r), "min_p": rng.random(r)}, p.sample_start)
             key = (rd, len(chunks))
+        st = SamplingBatch(params, p)  # a new mapping each step, as the engine's
         if rng.random() < 0.05:
             g.reset_inputs()
         bs, pb = g.bucket(rd), (g.mixed_bucket(p) or 0) if chunks else 0

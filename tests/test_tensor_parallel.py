@@ -31,6 +31,7 @@ from dflash_engine.models.qwen3_5_config import HybridConfig
 from dflash_engine.runtime_config import check_tensor_parallel, resolve
 from dflash_engine.worker import state_pool
 from dflash_engine.worker.kv_cache import KVCache
+from dflash_engine.worker.sampling_batch import RequestParams, SamplingBatch
 
 TP = 2
 
@@ -211,21 +212,24 @@ def test_rank_config_sizes_the_kv_cache_per_rank(qwen3_dir):
 
 def test_step_message_round_trip():
     plan = _core.profile_plan(40, 4, 4, 4, 4, 64, 16, 5, False)
-    n = len(plan.sample_rows)
-    st = {"greedy": np.arange(n) % 2 == 0, "temperature": np.linspace(0.5, 1, n, dtype=np.float32),
-          "top_k": np.arange(n, dtype=np.int64), "top_p": np.ones(n, np.float32), "min_p": np.zeros(n, np.float32),
-          "seed": np.arange(n, dtype=np.int64) * 7, "position": plan.positions[plan.sample_rows] + 1}
+    r = len(plan)
+    params = RequestParams({"greedy": np.arange(r) % 2 == 0, "temperature": np.linspace(0.5, 1, r),
+                            "top_k": np.arange(r), "top_p": np.ones(r), "min_p": np.zeros(r),
+                            "seed": np.arange(r) * 7}, plan.sample_start)
+    st = SamplingBatch(params, plan)
     header, payload = pack(3, plan, st, False)
     step = unpack(header, payload)
     assert step.seq == 3 and not step.all_greedy and len(step.plan) == len(plan)
     for name in ("block_rows", "num_decode", "num_rows", "draft_rows"):
         assert getattr(step.plan, name) == getattr(plan, name)
     for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "page_tables",
-                 "sample_rows", "verify_target_rows", "draft_input_ids", "draft_page_tables", "state_read"):
+                 "sample_rows", "sample_start", "verify_target_rows", "draft_input_ids", "draft_page_tables",
+                 "state_read"):
         a, b = getattr(plan, name), getattr(step.plan, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name
-    for k, v in st.items():
-        assert np.array_equal(step.st[k], v), k
+    for k, v in st.items():  # per sample row, "position" included (the worker's from its plan copy)
+        assert np.array_equal(step.st[k], v) and step.st[k].dtype == v.dtype, k
+    assert step.st.params.all_greedy is False and len(step.st["seed"]) == len(plan.sample_rows)
 
 
 def test_configurations_that_cannot_split_are_refused(qwen3_dir, random_draft_dir, hybrid_pair):

@@ -34,6 +34,8 @@ from .sampling_params import RequestOutputKind, SamplingParams
 from .tokenizer import Tokenizer
 from .worker import step_costs
 from .worker.model_runner import ModelRunner
+from .worker.sampling_batch import FIELDS as SAMPLING_FIELDS
+from .worker.sampling_batch import RequestParams, SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +159,7 @@ class LLMEngine:
         # When set, outputs ready during a step's device time go here at once (from the
         # stepping thread) rather than into step()'s return value.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
-        self._sampling_cache = None  # (plan key, per-row sampling arrays): _sampling_arrays
+        self._sampling_cache = None  # (plan key, RequestParams): _sampling_arrays
         self._spec_backlog: list[tuple[np.ndarray, np.ndarray]] = []  # committed, not yet in _stats
 
     @property
@@ -423,37 +425,26 @@ class LLMEngine:
         self.scheduler.finish(handle, "error")
         return [self._finish(handle, "error", f"engine step failed: {e}")]
 
-    def _sampling_arrays(self, plan) -> tuple[dict[str, np.ndarray], bool]:
-        """Per sampled row, its request's parameters; and whether every row is greedy. A
-        request's parameters never change and the core never reuses a handle, so a step with
-        the previous step's requests and row counts (steady decoding) reuses its arrays; only
-        the positions are new."""
+    def _sampling_arrays(self, plan) -> tuple[SamplingBatch, bool]:
+        """The step's sampling parameters (kept per request: worker/sampling_batch.py); and
+        whether every row is greedy. A request's parameters never change and the core never
+        reuses a handle, so a step with the previous step's requests and row counts (steady
+        decoding) reuses them (and the graph runner, seeing the same object, skips restaging)."""
         key = (plan.handles.tobytes(), plan.sample_start.tobytes())
-        position = plan.positions[plan.sample_rows] + 1
-        if self._sampling_cache is not None and self._sampling_cache[0] == key:
-            st, all_greedy = self._sampling_cache[1]
-            return {**st, "position": position}, all_greedy
-        st, all_greedy = self._build_sampling_arrays(plan)
-        self._sampling_cache = (key, (st, all_greedy))
-        return {**st, "position": position}, all_greedy
-
-    def _build_sampling_arrays(self, plan) -> tuple[dict[str, np.ndarray], bool]:
-        # One row of parameters per request, made once (a request's parameters never change):
-        # this runs on the critical path between steps whenever the batch changed.
-        rows = [self._sampling_row(self._requests[h]) for h in plan.handles.tolist()]
-        counts = np.diff(plan.sample_start)
-        greedy, temperature, top_k, top_p, min_p, seed = zip(*rows) if rows else ((),) * 6
-        return {
-            "greedy": np.repeat(np.asarray(greedy, np.bool_), counts),
-            "temperature": np.repeat(np.asarray(temperature, np.float32), counts),
-            "top_k": np.repeat(np.asarray(top_k, np.int64), counts),
-            "top_p": np.repeat(np.asarray(top_p, np.float32), counts),
-            "min_p": np.repeat(np.asarray(min_p, np.float32), counts),
-            "seed": np.repeat(np.asarray(seed, np.int64), counts),
-        }, all(greedy)
+        cached = self._sampling_cache
+        if cached is None or cached[0] != key:
+            # One row of parameters per request, made once (a request's parameters never
+            # change): this runs on the critical path between steps whenever the batch changed.
+            reqs = self._requests
+            rows = [reqs[h].sampling_row or self._sampling_row(reqs[h]) for h in plan.handles.tolist()]
+            cols = zip(*rows) if rows else ((),) * len(SAMPLING_FIELDS)
+            cached = self._sampling_cache = (key, RequestParams(dict(zip(SAMPLING_FIELDS, cols)), plan.sample_start))
+        params = cached[1]
+        return SamplingBatch(params, plan), params.all_greedy
 
     def _sampling_row(self, req: RequestState) -> tuple:
-        """(greedy, temperature, top_k, top_p, min_p, seed) of a request, cached on it."""
+        """(greedy, temperature, top_k, top_p, min_p, seed) of a request (SAMPLING_FIELDS'
+        order), cached on it."""
         row = req.sampling_row
         if row is None:
             x = req.params

@@ -30,10 +30,10 @@ import weakref
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_any
 
-import numpy as np
 import torch
 
 from ..runtime_config import RuntimeConfig
+from ..worker.sampling_batch import SamplingBatch
 from .groups import Groups, connect, host_store
 from .rank import TPRank
 from .step_message import send_step, send_stop
@@ -169,7 +169,7 @@ class DriverRank(TPRank):
         self._ranks = ranks
         self._seq = 0
 
-    def launch(self, plan, st: dict[str, np.ndarray], all_greedy: bool, run):
+    def launch(self, plan, st: SamplingBatch, all_greedy: bool, run):
         ranks = self._ranks
         if ranks.failure is not None:
             raise ranks.failure

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..models.parallel import TPShard
+from ..worker.sampling_batch import SamplingBatch
 from .groups import Groups
 
 
@@ -34,6 +34,6 @@ class TPRank:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.groups.setup)
         return int(t.item())
 
-    def launch(self, plan, st: dict[str, np.ndarray], all_greedy: bool, run: Callable):
+    def launch(self, plan, st: SamplingBatch, all_greedy: bool, run: Callable):
         """Run the step (`run`: the runner's eager launch) on this rank's shard."""
         return run(plan, st, all_greedy)

@@ -7,7 +7,8 @@ arrays, once, as two broadcasts on the control group (gloo, CPU tensors).
     payload  uint8[n]   every array's bytes in FIELDS order, each padded to 8 bytes
 
 The fields are exactly what a step reads of a plan (`StepInputs.from_plan`, ModelRunner's
-eager launch) and of the sampling parameters (`SamplingTensors`); each has a fixed dtype, so
+eager launch) and the sampling parameters, one value per request (`RequestParams`; the
+worker's step expands rows where it reads them); each has a fixed dtype, so
 the header carries shapes only. A worker rebuilds a `WirePlan` (the same attributes as the
 core's StepPlan) and runs the same step. Sequence numbers make a skipped or repeated step an
 error on the worker, so the ranks never run different plans. Results never come back: every
@@ -21,21 +22,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..worker.sampling_batch import DTYPES, RequestParams, SamplingBatch
+from ..worker.sampling_batch import FIELDS as SAMPLING_FIELDS
+
 STEP, STOP = 1, 2
 HEADER = 64
 PLAN_INTS = ("block_rows", "num_decode", "num_rows", "draft_rows")
 PLAN_ARRAYS = (
     ("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", np.int64),
     ("query_start_loc", np.int32), ("seq_lens", np.int32), ("page_tables", np.int32),
-    ("sample_rows", np.int64), ("verify_target_rows", np.int64),
+    ("sample_rows", np.int64), ("sample_start", np.int64), ("verify_target_rows", np.int64),
     ("draft_input_ids", np.int64), ("draft_positions", np.int64), ("draft_slot_mapping", np.int64),
     ("draft_query_start_loc", np.int32), ("draft_seq_lens", np.int32), ("draft_page_tables", np.int32),
     ("draft_proposal_rows", np.int64), ("state_read", np.int64), ("state_write", np.int64),
 )
-SAMPLING_ARRAYS = (
-    ("greedy", np.bool_), ("temperature", np.float32), ("top_k", np.int64), ("top_p", np.float32),
-    ("min_p", np.float32), ("seed", np.int64), ("position", np.int64),
-)
+# One value per request (RequestParams; the worker expands rows where its step reads them).
+SAMPLING_ARRAYS = tuple((name, DTYPES[name]) for name in SAMPLING_FIELDS)
 FIELDS = PLAN_ARRAYS + SAMPLING_ARRAYS
 _INTS_AT = 4  # header[0:4] = kind, seq, payload bytes, all_greedy; then len(plan) and PLAN_INTS
 _SHAPES_AT = _INTS_AT + 1 + len(PLAN_INTS)
@@ -78,7 +80,7 @@ class WirePlan:
 class Step:
     seq: int
     plan: WirePlan
-    st: dict[str, np.ndarray]
+    st: SamplingBatch
     all_greedy: bool
 
 
@@ -86,11 +88,11 @@ def _padded(n: int) -> int:
     return n + (-n) % 8
 
 
-def pack(seq: int, plan, st: dict[str, np.ndarray], all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+def pack(seq: int, plan, st: SamplingBatch, all_greedy: bool) -> tuple[np.ndarray, np.ndarray]:
     """(header, payload) of one step."""
     header = np.zeros(HEADER, np.int64)
     arrays = [np.ascontiguousarray(getattr(plan, name), dtype) for name, dtype in PLAN_ARRAYS]
-    arrays += [np.ascontiguousarray(st[name], dtype) for name, dtype in SAMPLING_ARRAYS]
+    arrays += [np.ascontiguousarray(st.params.values[name], dtype) for name, dtype in SAMPLING_ARRAYS]
     payload = np.zeros(sum(_padded(a.nbytes) for a in arrays), np.uint8)
     off = 0
     for i, a in enumerate(arrays):
@@ -114,14 +116,15 @@ def unpack(header: np.ndarray, payload: np.ndarray) -> Step:
         off += _padded(n)
     ints = dict(zip(PLAN_INTS, (int(x) for x in header[_INTS_AT + 1:_SHAPES_AT])))
     plan = WirePlan(int(header[_INTS_AT]), ints, {k: arrays[k] for k, _ in PLAN_ARRAYS})
-    return Step(int(header[1]), plan, {k: arrays[k] for k, _ in SAMPLING_ARRAYS}, bool(header[3]))
+    params = RequestParams({k: arrays[k] for k, _ in SAMPLING_ARRAYS}, plan.sample_start)
+    return Step(int(header[1]), plan, SamplingBatch(params, plan), bool(header[3]))
 
 
 def _broadcast(t: torch.Tensor, group) -> None:
     dist.broadcast(t, group=group, group_src=0)
 
 
-def send_step(group, seq: int, plan, st: dict[str, np.ndarray], all_greedy: bool) -> None:
+def send_step(group, seq: int, plan, st: SamplingBatch, all_greedy: bool) -> None:
     """The driver: broadcast one step to every worker."""
     header, payload = pack(seq, plan, st, all_greedy)
     _broadcast(torch.from_numpy(header), group)

@@ -44,10 +44,12 @@ import time
 import numpy as np
 import torch
 
+from .. import _core
 from ..models.hybrid_state import StateMetadata
 from ..ops.attention import AttentionMetadata
 from ..ops.sampling import SamplingTensors
 from .in_flight import InFlight
+from .sampling_batch import SamplingBatch
 from .step import DraftInputs, StepInputs, StepModels, run_step
 from .step_timer import StepTimer
 
@@ -100,7 +102,6 @@ def bucket_of(buckets: list[int], num_reqs: int) -> int:
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
-_SAMPLING_FIELDS = ("top_k", "seed", "greedy", *_FLOAT_FIELDS)
 
 
 class GraphRunner:
@@ -165,10 +166,11 @@ class GraphRunner:
         self._np_out = self.host_out.numpy()
         # Per (bucket, P): the plan arrays `_stage` copies in one core call (StepPlan.stage_into).
         self._plan_fields: dict[tuple[int, int], list[tuple[str, int, int, int | None]]] = {}
-        # The sampling arrays the pinned buffers hold from the last decode staging, and its slot
-        # count: steady decoding stages the same arrays again (engine._sampling_arrays reuses
-        # them while the batch stays), so they are written only when they change.
-        self._staged_sampling: tuple[int, tuple[np.ndarray, ...]] | None = None
+        # The sampling parameters (RequestParams) the pinned buffers hold from the last decode
+        # staging, and its slot count: steady decoding stages the same object again
+        # (engine._sampling_arrays reuses it while the batch stays), so they are written only
+        # when they change.
+        self._staged_sampling: tuple[int, object] | None = None
         # The extent of the page tables the last staging wrote ([requests, width] rows of
         # "pages"): everything outside it is the null page (0), so staging zeroes only what the
         # last plan covered and this one does not, not every row's width.
@@ -199,22 +201,15 @@ class GraphRunner:
         step runs eagerly): at least one decoding request (leading the plan, B rows each), at
         most MIXED_REQUESTS prefill requests of at most `mixed_tokens` rows in all, and each
         prefill request sampling nothing or its chunk's last row."""
-        rd, r = plan.num_decode, len(plan)
-        if not self.mixed_tokens or rd == 0 or r - rd > MIXED_REQUESTS or plan.block_rows != self.b:
+        if not self.mixed_tokens or plan.block_rows != self.b:
             return None
-        qsl = plan.query_start_loc
-        prefill = int(qsl[r]) - rd * self.b
-        if prefill > self.mixed_tokens or int(qsl[rd]) != rd * self.b:
-            return None
-        ss = plan.sample_start
-        counts = np.diff(ss[rd:])
-        if (counts > 1).any() or int(ss[rd]) != rd * self.b:
-            return None
-        sampled = counts == 1
-        if not np.array_equal(plan.sample_rows[ss[rd:-1][sampled]], qsl[rd + 1:][sampled] - 1):
+        prefill = _core.mixed_prefill_tokens(plan.query_start_loc, plan.sample_start, plan.sample_rows,
+                                             plan.num_decode, self.b, MIXED_REQUESTS)
+        if prefill is None or prefill > self.mixed_tokens:
             return None
         p = next(p for p in self.token_buckets if p >= prefill)
-        bs = self.bucket(rd)  # a new shape past the cap runs eagerly (counted only then: off the common path)
+        # a new shape past the cap runs eagerly (counted only then: off the common path)
+        bs = self.bucket(plan.num_decode)
         if (not self.enforce_eager and (bs, p, True) not in self.graphs and (bs, p, False) not in self.graphs
                 and self.mixed_graphs >= MAX_MIXED_GRAPHS):
             return None
@@ -249,7 +244,7 @@ class GraphRunner:
             self._plan_fields[(bs, p)] = fields
         return fields
 
-    def _stage(self, plan, st: dict[str, np.ndarray], bs: int, p: int) -> np.ndarray | None:
+    def _stage(self, plan, st: SamplingBatch, bs: int, p: int) -> np.ndarray | None:
         """Pack the plan (padded to bucket `bs`, and `p` prefill tokens) into the pinned
         buffers. -> for a mixed step, the sample slot of each of the plan's sample rows."""
         r, rd = len(plan), plan.num_decode
@@ -259,41 +254,21 @@ class GraphRunner:
         # and this one's do not): one core call.
         plan.stage_into(self._np_i64, self._fields(bs, p), (self.offsets["pages"][0], self.width, *self._pages_used))
         self._pages_used = (r, plan.page_tables.shape[1])
-        slot_of = None
-        if p:
-            rows = int(plan.query_start_loc[r])
-            # Decoding slot i's block: rows i*B.. (real) or distinct padding rows from `rows` on.
-            blocks = np.arange(bs * self.b, dtype=np.int64).reshape(bs, self.b)
-            blocks[rd:] += rows - rd * self.b
-            srows = v["srows"]
-            srows[:bs * self.b] = blocks.reshape(-1)
-            srows[bs * self.b:ns] = 0  # prefill slots without a request: any row
-            srows[bs * self.b:bs * self.b + r - rd] = plan.query_start_loc[rd + 1:] - 1
-            v["vrows"][:bs * (self.b - 1)] = blocks[:, 1:].reshape(-1)
-            ss = plan.sample_start
-            slot_of = np.concatenate([np.arange(rd * self.b, dtype=np.int64),
-                                      bs * self.b + np.flatnonzero(np.diff(ss[rd:]))])
-        sampling = tuple(st[name] for name in _SAMPLING_FIELDS)
+        slot_of = mixed = None
+        if p:  # the sample rows and verify rows in the graph's slots; each plan sample row's slot
+            slot_of = _core.stage_mixed_rows(v["srows"][:ns], v["vrows"][:bs * (self.b - 1)], plan.query_start_loc,
+                                             plan.sample_start, rd, bs, self.b)
+            mixed = (rd, bs * self.b)
+        params = st.params  # (per request: worker/sampling_batch.py)
         last = self._staged_sampling
-        if slot_of is None and last is not None and last[0] == ns and all(a is b for a, b in zip(last[1], sampling)):
-            return None  # the same arrays as the last decode step's: the buffers hold them already
-        self._staged_sampling = (ns, sampling) if slot_of is None else None
-        for name, pad in (("top_k", 1), ("seed", 0), ("greedy", 1)):
-            if slot_of is None:
-                v[name][:len(st[name])] = st[name]
-                v[name][len(st[name]):ns] = pad
-            else:
-                v[name][:ns] = pad
-                v[name][slot_of] = st[name]
-        f = self._np_f32
-        big = self.max_sample
-        for i, name in enumerate(_FLOAT_FIELDS):
-            col = f[i * big:i * big + ns]
-            col[:] = 1.0
-            if slot_of is None:
-                col[:len(st[name])] = st[name]
-            else:
-                col[slot_of] = st[name]
+        if mixed is None and last is not None and last[0] == ns and last[1] is params:
+            return None  # the same batch as the last decode step's: the buffers hold its parameters already
+        self._staged_sampling = (ns, params) if mixed is None else None
+        f, big, values = self._np_f32, self.max_sample, params.values
+        _core.stage_sampling([(v["top_k"][:ns], values["top_k"], 1), (v["seed"][:ns], values["seed"], 0),
+                              (v["greedy"][:ns], params.greedy_i64, 1)],
+                             [(f[i * big:i * big + ns], values[name], 1.0) for i, name in enumerate(_FLOAT_FIELDS)],
+                             params.sample_start, mixed)
         return slot_of
 
     # ---- the step (device side; captured) --------------------------------------------------
@@ -417,7 +392,7 @@ class GraphRunner:
             self.pool = g.pool()
         self.graphs[(bs, p, all_greedy)] = g
 
-    def run(self, plan, st: dict[str, np.ndarray], all_greedy: bool, p: int = 0) -> InFlight:
+    def run(self, plan, st: SamplingBatch, all_greedy: bool, p: int = 0) -> InFlight:
         """Launch a pure-decode plan (`p` = 0) or a mixed one (`p`: its `mixed_bucket`); the
         InFlight's `wait` gives (accepted per plan entry, sampled per plan sample row). The
         caller waits before the next `run` (which restages the pinned buffers and reuses

@@ -1,0 +1,60 @@
+"""The step's sampling parameters kept per request (worker/sampling_batch.py) and their
+staging into a graph's sample slots (`_core.stage_sampling`)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_engine import _core
+from dflash_engine.worker.sampling_batch import FIELDS, RequestParams, SamplingBatch
+
+
+def params(r: int, rng) -> dict[str, np.ndarray]:
+    return {"greedy": rng.random(r) < 0.5, "temperature": rng.random(r) + 0.1, "top_k": rng.integers(1, 99, r),
+            "top_p": rng.random(r), "min_p": rng.random(r), "seed": rng.integers(0, 1 << 50, r)}
+
+
+def test_rows_are_each_requests_value_repeated_over_its_sample_rows():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        r = int(rng.integers(0, 9))
+        counts = rng.integers(0, 5, r)
+        ss = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        values = params(r, rng)
+        plan = type("Plan", (), {"positions": rng.integers(0, 999, int(ss[-1]) + 3),
+                                 "sample_rows": rng.permutation(int(ss[-1]) + 3)[:int(ss[-1])]})
+        st = SamplingBatch(RequestParams(values, ss), plan)
+        assert list(st) == [*FIELDS, "position"] and len(st) == 7
+        for name in FIELDS:
+            want = [v for v, c in zip(values[name].tolist(), counts.tolist()) for _ in range(c)]
+            assert st[name].tolist() == pytest.approx(want), name
+        assert st["greedy"].dtype == np.bool_ and st["temperature"].dtype == np.float32 and st["seed"].dtype == np.int64
+        assert (st["position"] == plan.positions[plan.sample_rows] + 1).all()
+        assert st.params.all_greedy == bool(values["greedy"].all())
+        assert st["top_k"] is st["top_k"], "expanded once for the batch"
+
+
+def test_bad_parameters_are_refused_by_name():
+    ss = np.array([0, 2, 3])
+    good = params(2, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="lack \\['seed'\\]"):
+        RequestParams({k: v for k, v in good.items() if k != "seed"}, ss)
+    with pytest.raises(ValueError, match="one value for each of 2 requests"):
+        RequestParams({**good, "top_p": np.ones(3)}, ss)
+    with pytest.raises(KeyError):
+        SamplingBatch(RequestParams(good, ss), None)["beam_width"]
+
+
+def test_stage_sampling_checks_every_field_before_writing_any():
+    ss = np.array([0, 4, 8], np.int64)
+    a, b = np.zeros(8, np.int64), np.zeros(8, np.float32)
+    _core.stage_sampling([(a, np.array([3, 5], np.int64), 1)], [(b, np.array([0.5, 2.0], np.float32), 1.0)], ss)
+    assert a.tolist() == [3] * 4 + [5] * 4 and b.tolist() == [0.5] * 4 + [2.0] * 4
+    short = np.zeros(6, np.float32)  # the float field does not fit: the int field must stay as it was
+    with pytest.raises(ValueError, match="fall outside 6 slots"):
+        _core.stage_sampling([(a, np.array([7, 7], np.int64), 1)], [(short, np.array([1, 1], np.float32), 1.0)], ss)
+    assert a.tolist() == [3] * 4 + [5] * 4 and (short == 0).all()
+    # a mixed step: prefill request 2 (one sample) lands in slot base + 0; its padding slots get the pad
+    out = np.zeros(10, np.int64)
+    _core.stage_sampling([(out, np.array([4, 6, 9], np.int64), -1)], [], np.array([0, 3, 6, 7], np.int64), (2, 8))
+    assert out.tolist() == [4, 4, 4, 6, 6, 6, -1, -1, 9, -1]
