@@ -121,6 +121,9 @@ def test_forging_attempts_fail():
         assert not arr.flags.writeable, name
         with pytest.raises(ValueError):
             arr[...] = 0
+        assert getattr(p, name) is arr, "made once, on first read"
+    assert p.max_pages == p.page_tables.shape[1] and len(p) == len(p.handles)
+    assert p.num_rows == len(p.input_ids)
     with pytest.raises(AttributeError):
         p.step_id = 99  # frozen
     s.commit(p, [0], [4])

@@ -36,6 +36,7 @@ class Plan(SimpleNamespace):
     # The numpy staging a tensor-parallel worker's plan copy uses (tests/test_core.py checks the
     # core's against it).
     stage_into = WirePlan.stage_into
+    max_pages = WirePlan.max_pages
 
 
 def make(b: int, decode_positions: list[int], chunks: list[tuple[int, int, bool]], d: int = 4) -> Plan:

@@ -192,6 +192,7 @@ def test_serve_builds_the_engine_on_the_thread_that_steps_it(models_root):
     """`serve` builds through AsyncLLMEngine.build: the engine is built on its own thread, and
     that thread (not the caller, not the event loop's) runs every step; the server answers as
     with an engine built elsewhere. A build error is raised in the caller, naming the problem."""
+    import gc
     import threading
 
     from server_fixtures import LiveServer, make_engine
@@ -207,9 +208,12 @@ def test_serve_builds_the_engine_on_the_thread_that_steps_it(models_root):
         engine.step = lambda: seen["steps"].add(threading.get_ident()) or real_step()
         return engine
 
+    frozen = gc.get_freeze_count()
     async_engine = AsyncLLMEngine.build(factory)
     assert seen["build"] != threading.get_ident()
     server = LiveServer(None, async_engine=async_engine)
+    # What startup built is out of the cyclic collector's reach once the engine serves.
+    assert gc.get_freeze_count() > frozen + 1000
     try:
         r = httpx.post(f"{server.base_url}/completions", json={
             "model": MODEL_NAME, "prompt": "hello there", "max_tokens": 5, "temperature": 0}, timeout=60)

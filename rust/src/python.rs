@@ -231,7 +231,35 @@ fn prefix<T: numpy::Element, D: numpy::ndarray::Dimension>(
     Ok(view.downcast_into::<numpy::PyArray<T, D>>()?.unbind())
 }
 
-/// One step's arrays (read-only numpy) and, inside, the ticket `commit` consumes.
+/// One plan array as the core built it, made a read-only numpy array on first read and kept.
+/// On the graph path Python reads only a few of a plan's arrays (the rest reach the pinned
+/// staging buffer through `stage_into`, which reads the vectors), so a plan no longer makes
+/// ~20 numpy arrays on the critical path between two steps.
+struct Lazy<T: numpy::Element> {
+    data: Vec<T>,
+    array: GILOnceCell<Py<PyArray1<T>>>,
+}
+
+impl<T: numpy::Element + Copy> Lazy<T> {
+    fn new(data: Vec<T>) -> Self {
+        Lazy {
+            data,
+            array: GILOnceCell::new(),
+        }
+    }
+
+    fn get(&self, py: Python<'_>) -> PyResult<Py<PyArray1<T>>> {
+        let a = self.array.get_or_try_init(py, || -> PyResult<_> {
+            let a = PyArray1::from_slice(py, &self.data);
+            read_only(&a);
+            Ok(a.unbind())
+        })?;
+        Ok(a.clone_ref(py))
+    }
+}
+
+/// One step's arrays (read-only numpy, made on first read) and, inside, the ticket `commit`
+/// consumes.
 #[pyclass(name = "StepPlan", module = "dflash_engine._core", frozen)]
 pub struct PyStepPlan {
     ticket: Mutex<Option<StepTicket>>,
@@ -241,54 +269,36 @@ pub struct PyStepPlan {
     block_rows: usize,
     #[pyo3(get)]
     num_decode: usize,
-    #[pyo3(get)]
-    handles: Py<PyArray1<u64>>,
-    #[pyo3(get)]
-    num_drafts: Py<PyArray1<i64>>,
-    /// R+1 offsets into `sample_rows`.
-    #[pyo3(get)]
-    sample_start: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    input_ids: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    positions: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    slot_mapping: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    query_start_loc: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    seq_lens: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    page_tables: Py<PyArray2<i32>>,
-    #[pyo3(get)]
-    sample_rows: Py<PyArray1<i64>>,
     /// D: rows per draft block (0: no draft pass this step). The draft pass's arrays follow.
     #[pyo3(get)]
     draft_rows: usize,
-    #[pyo3(get)]
-    draft_input_ids: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    draft_positions: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    draft_slot_mapping: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    draft_query_start_loc: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    draft_seq_lens: Py<PyArray1<i32>>,
-    /// The first `num_decode` rows of `page_tables` (a view).
-    #[pyo3(get)]
-    draft_page_tables: Py<PyArray2<i32>>,
+    handles: Lazy<u64>,
+    num_drafts: Lazy<i64>,
+    /// R+1 offsets into `sample_rows`.
+    sample_start: Lazy<i64>,
+    input_ids: Lazy<i64>,
+    positions: Lazy<i64>,
+    slot_mapping: Lazy<i64>,
+    query_start_loc: Lazy<i32>,
+    seq_lens: Lazy<i32>,
+    /// Row-major `[R, max_pages]` (`page_tables`, 2-D); `draft_page_tables` is a view of its
+    /// first `num_decode` rows (none without a draft pass).
+    page_tables: Lazy<i32>,
+    max_pages: usize,
+    page_tables_2d: GILOnceCell<Py<PyArray2<i32>>>,
+    sample_rows: Lazy<i64>,
+    draft_input_ids: Lazy<i64>,
+    draft_positions: Lazy<i64>,
+    draft_slot_mapping: Lazy<i64>,
+    draft_query_start_loc: Lazy<i32>,
+    draft_seq_lens: Lazy<i32>,
     /// Rows 1..B-1 of every draft block: the proposals.
-    #[pyo3(get)]
-    draft_proposal_rows: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    verify_target_rows: Py<PyArray1<i64>>,
+    draft_proposal_rows: Lazy<i64>,
+    verify_target_rows: Lazy<i64>,
     /// Hybrid targets: `[R]` each request's committed state slot (-1: none, zeros), and
     /// `[T]` the slot keeping the state after each target row (-1: not kept); else empty.
-    #[pyo3(get)]
-    state_read: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    state_write: Py<PyArray1<i64>>,
+    state_read: Lazy<i64>,
+    state_write: Lazy<i64>,
 }
 
 impl PyStepPlan {
@@ -296,8 +306,7 @@ impl PyStepPlan {
         Self::build(py, Some(ticket), plan)
     }
 
-    fn build(py: Python<'_>, ticket: Option<StepTicket>, mut plan: StepPlan) -> PyResult<Self> {
-        let r = plan.entries.len();
+    fn build(_py: Python<'_>, ticket: Option<StepTicket>, mut plan: StepPlan) -> PyResult<Self> {
         let nd = plan.num_decode;
         let handles = plan.entries.iter().map(|e| e.handle).collect();
         let num_drafts = plan.entries.iter().map(|e| e.num_drafts() as i64).collect();
@@ -305,12 +314,6 @@ impl PyStepPlan {
             plan.entries.iter().map(|e| e.sample_start as i64).collect();
         sample_start.push(plan.num_sample_rows() as i64);
         let t = std::mem::take(&mut plan.target);
-        let input_ids = arr1(py, t.input_ids)?;
-        let positions = arr1(py, t.positions)?;
-        let slot_mapping = arr1(py, t.slot_mapping)?;
-        let query_start_loc = arr1(py, t.query_start_loc)?;
-        let seq_lens = arr1(py, t.seq_lens)?;
-        let page_tables = arr2(py, t.page_tables, r, t.max_pages)?;
         let dp = std::mem::take(&mut plan.draft);
         let d = dp.rows;
         let draft_qsl: Vec<i32> = (0..=if d > 0 { nd } else { 0 })
@@ -321,27 +324,28 @@ impl PyStepPlan {
             step_id: plan.step_id,
             block_rows: plan.block_rows,
             num_decode: nd,
-            handles: arr1(py, handles)?,
-            num_drafts: arr1(py, num_drafts)?,
-            sample_start: arr1(py, sample_start)?,
             draft_rows: d,
-            draft_input_ids: arr1(py, dp.input_ids)?,
-            draft_positions: arr1(py, dp.positions)?,
-            draft_slot_mapping: arr1(py, dp.slot_mapping)?,
-            draft_query_start_loc: arr1(py, draft_qsl)?,
-            draft_seq_lens: arr1(py, dp.seq_lens)?,
-            draft_page_tables: prefix(&page_tables, py, if d > 0 { nd } else { 0 })?,
-            draft_proposal_rows: arr1(py, dp.proposal_rows)?,
-            input_ids,
-            positions,
-            slot_mapping,
-            query_start_loc,
-            seq_lens,
-            page_tables,
-            verify_target_rows: arr1(py, std::mem::take(&mut plan.verify_target_rows))?,
-            sample_rows: arr1(py, std::mem::take(&mut plan.sample_rows))?,
-            state_read: arr1(py, std::mem::take(&mut plan.state_read))?,
-            state_write: arr1(py, std::mem::take(&mut plan.state_write))?,
+            handles: Lazy::new(handles),
+            num_drafts: Lazy::new(num_drafts),
+            sample_start: Lazy::new(sample_start),
+            input_ids: Lazy::new(t.input_ids),
+            positions: Lazy::new(t.positions),
+            slot_mapping: Lazy::new(t.slot_mapping),
+            query_start_loc: Lazy::new(t.query_start_loc),
+            seq_lens: Lazy::new(t.seq_lens),
+            page_tables: Lazy::new(t.page_tables),
+            max_pages: t.max_pages,
+            page_tables_2d: GILOnceCell::new(),
+            sample_rows: Lazy::new(std::mem::take(&mut plan.sample_rows)),
+            draft_input_ids: Lazy::new(dp.input_ids),
+            draft_positions: Lazy::new(dp.positions),
+            draft_slot_mapping: Lazy::new(dp.slot_mapping),
+            draft_query_start_loc: Lazy::new(draft_qsl),
+            draft_seq_lens: Lazy::new(dp.seq_lens),
+            draft_proposal_rows: Lazy::new(dp.proposal_rows),
+            verify_target_rows: Lazy::new(std::mem::take(&mut plan.verify_target_rows)),
+            state_read: Lazy::new(std::mem::take(&mut plan.state_read)),
+            state_write: Lazy::new(std::mem::take(&mut plan.state_write)),
         })
     }
 
@@ -362,27 +366,183 @@ impl PyStepPlan {
     fn return_ticket(&self, ticket: StepTicket) {
         *self.ticket.lock().unwrap_or_else(|e| e.into_inner()) = Some(ticket);
     }
+
+    /// Requests in the plan.
+    fn num_entries(&self) -> usize {
+        self.handles.data.len()
+    }
+
+    fn tables_2d(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        let a = self.page_tables_2d.get_or_try_init(py, || {
+            arr2(
+                py,
+                self.page_tables.data.clone(),
+                self.num_entries(),
+                self.max_pages,
+            )
+        })?;
+        Ok(a.clone_ref(py))
+    }
+
+    /// The one-dimensional plan array of this name (the Python attribute's), as the core's
+    /// vector.
+    fn array_named(&self, name: &str) -> Option<PlanSlice<'_>> {
+        fn i64s(a: &Lazy<i64>) -> Option<PlanSlice<'_>> {
+            Some(PlanSlice::I64(&a.data))
+        }
+        fn i32s(a: &Lazy<i32>) -> Option<PlanSlice<'_>> {
+            Some(PlanSlice::I32(&a.data))
+        }
+        match name {
+            "input_ids" => i64s(&self.input_ids),
+            "positions" => i64s(&self.positions),
+            "slot_mapping" => i64s(&self.slot_mapping),
+            "query_start_loc" => i32s(&self.query_start_loc),
+            "seq_lens" => i32s(&self.seq_lens),
+            "sample_rows" => i64s(&self.sample_rows),
+            "sample_start" => i64s(&self.sample_start),
+            "draft_input_ids" => i64s(&self.draft_input_ids),
+            "draft_positions" => i64s(&self.draft_positions),
+            "draft_slot_mapping" => i64s(&self.draft_slot_mapping),
+            "draft_query_start_loc" => i32s(&self.draft_query_start_loc),
+            "draft_seq_lens" => i32s(&self.draft_seq_lens),
+            "draft_proposal_rows" => i64s(&self.draft_proposal_rows),
+            "verify_target_rows" => i64s(&self.verify_target_rows),
+            "state_read" => i64s(&self.state_read),
+            "state_write" => i64s(&self.state_write),
+            _ => None,
+        }
+    }
+}
+
+enum PlanSlice<'a> {
+    I64(&'a [i64]),
+    I32(&'a [i32]),
+}
+
+impl PlanSlice<'_> {
+    fn len(&self) -> usize {
+        match self {
+            PlanSlice::I64(a) => a.len(),
+            PlanSlice::I32(a) => a.len(),
+        }
+    }
 }
 
 #[pymethods]
 impl PyStepPlan {
-    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        self.handles.bind(py).len()
+    fn __len__(&self) -> usize {
+        self.num_entries()
     }
 
     /// Target rows of this step.
     #[getter]
-    fn num_rows(&self, py: Python<'_>) -> PyResult<usize> {
-        self.input_ids.bind(py).len()
+    fn num_rows(&self) -> usize {
+        self.input_ids.data.len()
     }
 
-    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        Ok(format!(
+    fn __repr__(&self) -> String {
+        format!(
             "StepPlan(step_id={}, requests={}, block_rows={})",
             self.step_id,
-            self.__len__(py)?,
+            self.num_entries(),
             self.block_rows
-        ))
+        )
+    }
+
+    #[getter]
+    fn handles(&self, py: Python<'_>) -> PyResult<Py<PyArray1<u64>>> {
+        self.handles.get(py)
+    }
+    #[getter]
+    fn num_drafts(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.num_drafts.get(py)
+    }
+    /// R+1 offsets into `sample_rows`.
+    #[getter]
+    fn sample_start(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.sample_start.get(py)
+    }
+    #[getter]
+    fn input_ids(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.input_ids.get(py)
+    }
+    #[getter]
+    fn positions(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.positions.get(py)
+    }
+    #[getter]
+    fn slot_mapping(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.slot_mapping.get(py)
+    }
+    #[getter]
+    fn query_start_loc(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i32>>> {
+        self.query_start_loc.get(py)
+    }
+    #[getter]
+    fn seq_lens(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i32>>> {
+        self.seq_lens.get(py)
+    }
+    /// `[R, max_pages]`, padded with the null page.
+    #[getter]
+    fn page_tables(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        self.tables_2d(py)
+    }
+    /// Columns of `page_tables` (without making the array).
+    #[getter]
+    fn max_pages(&self) -> usize {
+        self.max_pages
+    }
+    #[getter]
+    fn sample_rows(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.sample_rows.get(py)
+    }
+    #[getter]
+    fn draft_input_ids(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.draft_input_ids.get(py)
+    }
+    #[getter]
+    fn draft_positions(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.draft_positions.get(py)
+    }
+    #[getter]
+    fn draft_slot_mapping(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.draft_slot_mapping.get(py)
+    }
+    #[getter]
+    fn draft_query_start_loc(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i32>>> {
+        self.draft_query_start_loc.get(py)
+    }
+    #[getter]
+    fn draft_seq_lens(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i32>>> {
+        self.draft_seq_lens.get(py)
+    }
+    /// The first `num_decode` rows of `page_tables` (a view; none without a draft pass).
+    #[getter]
+    fn draft_page_tables(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
+        let rows = if self.draft_rows > 0 {
+            self.num_decode
+        } else {
+            0
+        };
+        prefix(&self.tables_2d(py)?, py, rows)
+    }
+    /// Rows 1..B-1 of every draft block: the proposals.
+    #[getter]
+    fn draft_proposal_rows(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.draft_proposal_rows.get(py)
+    }
+    #[getter]
+    fn verify_target_rows(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.verify_target_rows.get(py)
+    }
+    #[getter]
+    fn state_read(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.state_read.get(py)
+    }
+    #[getter]
+    fn state_write(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.state_write.get(py)
     }
 
     /// Copy the plan's one-dimensional arrays into `dst` (int64, e.g. a pinned staging
@@ -392,12 +552,12 @@ impl PyStepPlan {
     /// `dst[at:]` (row stride `width`), and what the previous staging covered (its rows and
     /// columns) and this one does not is zeroed (the null page): everything outside this
     /// plan's tables is then 0 if it was before. One call instead of two numpy assignments
-    /// per array (the graph runner's `_stage`, on the critical path between steps). Checks
-    /// every field before writing any.
+    /// per array (the graph runner's `_stage`, on the critical path between steps); it reads
+    /// the core's vectors, so none of these arrays is made in numpy. Checks every field before
+    /// writing any.
     #[pyo3(signature = (dst, fields, pages = None))]
     fn stage_into(
         &self,
-        py: Python<'_>,
         dst: &Bound<'_, PyArray1<i64>>,
         fields: Vec<(String, usize, usize, Option<i64>)>,
         pages: Option<(usize, usize, usize, usize)>,
@@ -406,7 +566,7 @@ impl PyStepPlan {
         let mut srcs = Vec::with_capacity(fields.len());
         for (name, _, _, _) in &fields {
             srcs.push(
-                self.array_named(py, name).ok_or_else(|| {
+                self.array_named(name).ok_or_else(|| {
                     err(format!("StepPlan has no one-dimensional array {name:?}"))
                 })?,
             );
@@ -420,13 +580,10 @@ impl PyStepPlan {
         if !writeable {
             return Err(err("stage_into: dst is not writeable".into()));
         }
-        let tables = self.page_tables.bind(py);
-        let shape = numpy::PyUntypedArrayMethods::shape(tables);
-        let (r, w) = (shape[0], shape[1]);
-        // SAFETY: the plan's arrays are created read-only by this module and owned by the plan,
-        // so nothing writes them; `dst` is checked writeable and contiguous below, and the GIL
-        // (held throughout) keeps Python code from touching either meanwhile. This skips the
-        // numpy crate's dynamic borrow tracking (~0.5 us an array, a dozen arrays a step).
+        let (r, w) = (self.num_entries(), self.max_pages);
+        // SAFETY: `dst` is checked writeable and contiguous, and the GIL (held throughout)
+        // keeps Python code from touching it meanwhile. This skips the numpy crate's dynamic
+        // borrow tracking.
         let d = unsafe { dst.as_slice_mut() }
             .map_err(|e| err(format!("stage_into: dst is not contiguous: {e}")))?;
         for ((name, at, total, pad), src) in fields.iter().zip(&srcs) {
@@ -449,12 +606,11 @@ impl PyStepPlan {
         for ((_, at, total, pad), src) in fields.iter().zip(&srcs) {
             let out = &mut d[*at..at + total];
             let len = src.len();
-            // SAFETY: as above (read-only arrays owned by the plan).
             match src {
-                PlanArray::I64(a) => out[..len].copy_from_slice(unsafe { a.as_slice() }?),
-                PlanArray::I32(a) => out[..len]
+                PlanSlice::I64(a) => out[..len].copy_from_slice(a),
+                PlanSlice::I32(a) => out[..len]
                     .iter_mut()
-                    .zip(unsafe { a.as_slice() }?)
+                    .zip(a.iter())
                     .for_each(|(o, &v)| *o = v as i64),
             }
             let fill = match pad {
@@ -465,8 +621,7 @@ impl PyStepPlan {
             out[len..].fill(fill);
         }
         if let Some((at, width, rows_before, cols_before)) = pages {
-            // SAFETY: as above (the plan's own read-only array).
-            let t = unsafe { tables.as_slice() }?;
+            let t = &self.page_tables.data;
             for i in 0..r.max(rows_before) {
                 let row = &mut d[at + i * width..at + (i + 1) * width];
                 if i < r {
@@ -483,46 +638,6 @@ impl PyStepPlan {
             }
         }
         Ok(())
-    }
-}
-
-enum PlanArray<'py> {
-    I64(Bound<'py, PyArray1<i64>>),
-    I32(Bound<'py, PyArray1<i32>>),
-}
-
-impl PlanArray<'_> {
-    fn len(&self) -> usize {
-        match self {
-            PlanArray::I64(a) => numpy::PyUntypedArrayMethods::len(a),
-            PlanArray::I32(a) => numpy::PyUntypedArrayMethods::len(a),
-        }
-    }
-}
-
-impl PyStepPlan {
-    /// The one-dimensional plan array of this name (the Python attribute's).
-    fn array_named<'py>(&self, py: Python<'py>, name: &str) -> Option<PlanArray<'py>> {
-        let i64s = |a: &Py<PyArray1<i64>>| Some(PlanArray::I64(a.bind(py).clone()));
-        let i32s = |a: &Py<PyArray1<i32>>| Some(PlanArray::I32(a.bind(py).clone()));
-        match name {
-            "input_ids" => i64s(&self.input_ids),
-            "positions" => i64s(&self.positions),
-            "slot_mapping" => i64s(&self.slot_mapping),
-            "query_start_loc" => i32s(&self.query_start_loc),
-            "seq_lens" => i32s(&self.seq_lens),
-            "sample_rows" => i64s(&self.sample_rows),
-            "draft_input_ids" => i64s(&self.draft_input_ids),
-            "draft_positions" => i64s(&self.draft_positions),
-            "draft_slot_mapping" => i64s(&self.draft_slot_mapping),
-            "draft_query_start_loc" => i32s(&self.draft_query_start_loc),
-            "draft_seq_lens" => i32s(&self.draft_seq_lens),
-            "draft_proposal_rows" => i64s(&self.draft_proposal_rows),
-            "verify_target_rows" => i64s(&self.verify_target_rows),
-            "state_read" => i64s(&self.state_read),
-            "state_write" => i64s(&self.state_write),
-            _ => None,
-        }
     }
 }
 

@@ -55,6 +55,11 @@ class WirePlan:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def max_pages(self) -> int:
+        """Columns of the page tables (the core StepPlan's attribute)."""
+        return self.page_tables.shape[1]
+
     def stage_into(self, dst: np.ndarray, fields: list[tuple[str, int, int, int | None]],
                    pages: tuple[int, int, int, int] | None = None) -> None:
         """The core StepPlan's `stage_into`, in numpy: the graph runner stages a worker's copy of

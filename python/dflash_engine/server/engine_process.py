@@ -51,6 +51,8 @@ from .async_engine import (
     RequestStream,
     _Abort,
     _Add,
+    _freeze_startup_heap,
+    _unfreeze_heap,
     hand_off_to_loops,
 )
 
@@ -173,6 +175,7 @@ def _engine_main(kwargs: dict[str, Any], commands: Connection, out: Connection,
         out.send(("error", _picklable(e)))
         return
     out.send(("ready", info))
+    _freeze_startup_heap()
     threading.Thread(target=_read_commands, args=(commands, loop), name="dflash-engine-commands",
                      daemon=True).start()
     try:
@@ -182,6 +185,7 @@ def _engine_main(kwargs: dict[str, Any], commands: Connection, out: Connection,
     except (BrokenPipeError, OSError):
         pass  # the server is gone
     finally:
+        _unfreeze_heap()
         engine.close()
 
 

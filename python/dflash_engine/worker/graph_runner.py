@@ -253,7 +253,7 @@ class GraphRunner:
         # The plan's arrays, padded, and its page tables (zeroing what the last plan's covered
         # and this one's do not): one core call.
         plan.stage_into(self._np_i64, self._fields(bs, p), (self.offsets["pages"][0], self.width, *self._pages_used))
-        self._pages_used = (r, plan.page_tables.shape[1])
+        self._pages_used = (r, plan.max_pages)
         slot_of = mixed = None
         if p:  # the sample rows and verify rows in the graph's slots; each plan sample row's slot
             slot_of = _core.stage_mixed_rows(v["srows"][:ns], v["vrows"][:bs * (self.b - 1)], plan.query_start_loc,
