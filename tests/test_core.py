@@ -229,6 +229,11 @@ def test_random_operations_keep_invariants_and_drain(seed):
             acc = [rng.randint(0, int(d)) for d in p.num_drafts]
             smp = [rng.randint(3, 40) for _ in p.sample_rows]
             out = s.commit(p, acc, smp)
+            # The arrays (made on first read, read-only) say what items() says.
+            offsets, tokens, codes = out.offsets, out.new_tokens, out.finish_codes
+            assert out.offsets is offsets and not tokens.flags.writeable and len(out) == len(out.handles)
+            assert [(h, tokens[offsets[i]:offsets[i + 1]].tolist(), core.FINISH_REASONS[codes[i]] if codes[i] else None)
+                    for i, h in enumerate(out.handles.tolist())] == out.items()
             for h, toks, reason in out.items():
                 expected[h] += toks
                 if reason is not None:

@@ -204,13 +204,6 @@ fn read_only<T: numpy::Element, D: numpy::ndarray::Dimension>(a: &Bound<'_, nump
     }
 }
 
-/// A numpy array owning `v`, read-only: the plan is information, not a channel back.
-fn arr1<T: numpy::Element>(py: Python<'_>, v: Vec<T>) -> PyResult<Py<PyArray1<T>>> {
-    let a = v.into_pyarray(py);
-    read_only(&a);
-    Ok(a.unbind())
-}
-
 fn arr2(py: Python<'_>, v: Vec<i32>, rows: usize, cols: usize) -> PyResult<Py<PyArray2<i32>>> {
     let base = v.into_pyarray(py);
     read_only(&base);
@@ -644,42 +637,60 @@ impl PyStepPlan {
 /// (handle, new token ids, finish reason or None)
 type CommitItem = (u64, Vec<i64>, Option<&'static str>);
 
+/// A commit's results: the core's vectors, each a read-only numpy array on first read. The
+/// engine reads them when it builds the outputs, which the overlapped step does after the next
+/// launch: so making them is off the critical path between two steps.
 #[pyclass(name = "CommitResult", module = "dflash_engine._core", frozen)]
 pub struct PyCommitResult {
-    #[pyo3(get)]
-    handles: Py<PyArray1<u64>>,
+    handles: Lazy<u64>,
     /// R+1 offsets into `new_tokens`.
-    #[pyo3(get)]
-    offsets: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    new_tokens: Py<PyArray1<i64>>,
+    offsets: Lazy<i64>,
+    new_tokens: Lazy<i64>,
     /// 0 running, else an index into `FINISH_REASONS`.
-    #[pyo3(get)]
-    finish_codes: Py<PyArray1<u8>>,
+    finish_codes: Lazy<u8>,
     /// Prompt tokens each request took from the prefix cache (at its first admission).
-    #[pyo3(get)]
-    num_cached_tokens: Py<PyArray1<u32>>,
+    num_cached_tokens: Lazy<u32>,
 }
 
 #[pymethods]
 impl PyCommitResult {
-    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        self.handles.bind(py).len()
+    fn __len__(&self) -> usize {
+        self.handles.data.len()
+    }
+
+    #[getter]
+    fn handles(&self, py: Python<'_>) -> PyResult<Py<PyArray1<u64>>> {
+        self.handles.get(py)
+    }
+    /// R+1 offsets into `new_tokens`.
+    #[getter]
+    fn offsets(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.offsets.get(py)
+    }
+    #[getter]
+    fn new_tokens(&self, py: Python<'_>) -> PyResult<Py<PyArray1<i64>>> {
+        self.new_tokens.get(py)
+    }
+    /// 0 running, else an index into `FINISH_REASONS`.
+    #[getter]
+    fn finish_codes(&self, py: Python<'_>) -> PyResult<Py<PyArray1<u8>>> {
+        self.finish_codes.get(py)
+    }
+    /// Prompt tokens each request took from the prefix cache (at its first admission).
+    #[getter]
+    fn num_cached_tokens(&self, py: Python<'_>) -> PyResult<Py<PyArray1<u32>>> {
+        self.num_cached_tokens.get(py)
     }
 
     /// `[(handle, new_token_ids, finish_reason or None)]`
-    fn items(&self, py: Python<'_>) -> PyResult<Vec<CommitItem>> {
-        let handles = self.handles.bind(py).readonly();
-        let offsets = self.offsets.bind(py).readonly();
-        let tokens = self.new_tokens.bind(py).readonly();
-        let codes = self.finish_codes.bind(py).readonly();
+    fn items(&self) -> Vec<CommitItem> {
         let (h, o, t, c) = (
-            handles.as_slice()?,
-            offsets.as_slice()?,
-            tokens.as_slice()?,
-            codes.as_slice()?,
+            &self.handles.data,
+            &self.offsets.data,
+            &self.new_tokens.data,
+            &self.finish_codes.data,
         );
-        Ok((0..h.len())
+        (0..h.len())
             .map(|i| {
                 (
                     h[i],
@@ -687,7 +698,7 @@ impl PyCommitResult {
                     FinishReason::NAMES[c[i] as usize],
                 )
             })
-            .collect())
+            .collect()
     }
 }
 
@@ -821,7 +832,6 @@ impl PyScheduler {
     /// Apply a step's results, spending the plan's ticket; a refused commit keeps it.
     fn commit(
         &mut self,
-        py: Python<'_>,
         plan: &PyStepPlan,
         accepted: &Bound<'_, PyAny>,
         sampled: &Bound<'_, PyAny>,
@@ -836,11 +846,11 @@ impl PyScheduler {
             }
         };
         Ok(PyCommitResult {
-            handles: arr1(py, b.handles)?,
-            offsets: arr1(py, b.offsets)?,
-            new_tokens: arr1(py, b.tokens)?,
-            finish_codes: arr1(py, b.finish)?,
-            num_cached_tokens: arr1(py, b.num_cached_tokens)?,
+            handles: Lazy::new(b.handles),
+            offsets: Lazy::new(b.offsets),
+            new_tokens: Lazy::new(b.tokens),
+            finish_codes: Lazy::new(b.finish),
+            num_cached_tokens: Lazy::new(b.num_cached_tokens),
         })
     }
 
