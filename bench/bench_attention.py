@@ -3,7 +3,8 @@ shapes (32 q / 8 KV heads of 128, 16 query rows per request, context 1024), agai
 tile variants and a contiguous-K/V reference (issue 22: attention is 14% of the c = 32 step
 at ~100 TFLOP/s; 0.56 ms of the c = 1 step with its combine):
 
-    python bench/bench_attention.py [--c 1,8,32] [--context 1024] [--sweep | --splits] [--prefill 2048] [--json out.json]
+    python bench/bench_attention.py [--c 1,8,32] [--context 1024] [--sweep | --splits] [--prefill 2048]
+        [--pool-pages 18395] [--json out.json]
 
 Each configuration is timed inside a CUDA graph over enough copies of the K/V cache (>= 512
 MB) that every key is read from HBM, as in a step (each layer's cache read once). Reports us
@@ -35,18 +36,22 @@ class Case:
     """One call's inputs: c requests of q_len rows over `context` committed keys, `copies`
     caches (one per simulated layer), page size `page`."""
 
-    def __init__(self, c, q_len, context, page, n_heads, n_kv, head_dim, dtype, device, min_bytes):
+    def __init__(self, c, q_len, context, page, n_heads, n_kv, head_dim, dtype, device, min_bytes, pool_pages=0):
         self.c, self.q_len, self.seq = c, q_len, context + q_len
         pages_per = -(-self.seq // page)
         kv_bytes = 2 * c * pages_per * page * n_kv * head_dim * dtype.itemsize
         self.copies = max(1, -(-min_bytes // kv_bytes))
         self.kv_bytes = kv_bytes
         self.caches = []
+        # `pool_pages`: the caches hold that many pages (a served pool's size per layer) and the
+        # requests' pages are drawn from all of them, so a layer's reads spread over the whole
+        # pool as in the engine, not over a region the size of the batch's K/V.
+        pool = max(pool_pages, c * pages_per)
         for _ in range(self.copies):
-            kc = torch.randn(c * pages_per + 1, page, n_kv, head_dim, dtype=dtype, device=device)
+            kc = torch.randn(pool + 1, page, n_kv, head_dim, dtype=dtype, device=device)
             self.caches.append((kc, torch.randn_like(kc)))
         # Each request's pages in a shuffled order (a real pool is not contiguous).
-        perm = torch.randperm(c * pages_per, device=device).to(torch.int32) + 1
+        perm = torch.randperm(pool, device=device)[:c * pages_per].to(torch.int32) + 1
         self.table = perm.view(c, pages_per).contiguous()
         self.q = torch.randn(c * q_len, n_heads, head_dim, dtype=dtype, device=device)
         self.out = torch.empty_like(self.q)
@@ -107,6 +112,10 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--splits", action="store_true", help="only the context-split variants (c <= 16), no tile sweep")
     ap.add_argument("--prefill", type=int, default=0, help="also time one causal chunk of this many rows")
+    ap.add_argument("--pool-pages", type=int, default=0,
+                    help="also time the default tiles with each layer's cache this many 16-token pages (the "
+                         "engine's pool, e.g. 18395 for the 8B shape at --gpu-memory-utilization 0.9) and the "
+                         "requests' pages drawn from all of it (address spread: TLB reach)")
     ap.add_argument("--json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -137,15 +146,18 @@ def main():
             print(f"prefill {args.prefill} rows {name:<32} {us:8.1f} us  {rows[-1]['tflops']:6.1f} TFLOP/s", flush=True)
         case = None  # (frees the caches before the next case)
     for c in [int(x) for x in args.c.split(",")]:
-        for page in pages:
+        for page in pages + (["pool"] if args.pool_pages else []):
+            pool = args.pool_pages if page == "pool" else 0
+            page = 16 if page == "pool" else page
             pg = page or (context + args.q_len)
-            case = Case(c, args.q_len, context, pg, n_heads, n_kv, head_dim, dtype, device, min_bytes)
+            case = Case(c, args.q_len, context, pg, n_heads, n_kv, head_dim, dtype, device, min_bytes,
+                        pool_pages=pool if cuda else 4 * c * (-(-(context + args.q_len) // pg)) * bool(pool))
             for causal in (True, False):
                 kind = "verify (causal)" if causal else "draft (non-causal)"
                 split_variants = [(f"split_keys {n}", dict(split_keys=n)) for n in (64, 128, 256, 512)]
                 split_variants.append(("one split", dict(num_splits=1)))
                 for name, kw in (variants + (split_variants if (args.sweep or args.splits) and c <= 16 else [])
-                                 if page == 16 else variants[:1]):
+                                 if page == 16 and not pool else variants[:1]):
                     split = {k: kw.pop(k) for k in ("split_keys", "num_splits") if k in kw}
                     try:
                         with patched(**kw):
@@ -153,12 +165,14 @@ def main():
                     except Exception as e:  # noqa: BLE001 (a variant out of shared memory: recorded, not fatal)
                         print(f"c={c} page={pg} {kind} {name}: failed: {str(e).splitlines()[0][:120]}")
                         continue
+                    if pool:
+                        name = f"{name}, pool of {case.caches[0][0].shape[0] - 1} pages"
                     r = dict(c=c, page=pg, kind=kind, variant=name, us=us,
                              gbs=case.kv_bytes / us / 1e3, tflops=case.flops(n_heads, head_dim, causal) / us / 1e6)
                     rows.append(r)
                     print(f"c={c:>3} page={pg:>5} {kind:<19} {name:<32} {us:8.1f} us  "
                           f"{r['gbs']:7.0f} GB/s  {r['tflops']:6.1f} TFLOP/s", flush=True)
-            if page == 16:
+            if page == 16 and not pool:
                 us = sdpa_us(case, n_heads, n_kv, head_dim, dtype, device, cuda)
                 r = dict(c=c, page=None, kind="sdpa contiguous (non-causal)", variant="torch flash", us=us,
                          gbs=case.kv_bytes / us / 1e3, tflops=case.flops(n_heads, head_dim, False) / us / 1e6)
