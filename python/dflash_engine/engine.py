@@ -358,6 +358,9 @@ class LLMEngine:
             self.scheduler.cancel(plan)
 
     def _take_outputs(self) -> list[RequestOutput]:
+        # The device times of the steps that have finished (here: off the critical path when
+        # overlapped; the live costs below read them).
+        self.runner.step_timer.resolve()
         for num_drafts, accepted in self._spec_backlog:
             self._record_spec(num_drafts, accepted)
         self._spec_backlog.clear()

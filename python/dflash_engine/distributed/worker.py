@@ -56,6 +56,7 @@ def serve_steps(rc: RuntimeConfig, rank: int, size: int, store, local_rank: int 
     seq = 1
     while (step := receive_step(groups.control, seq)) is not None:
         runner.wait(runner.launch(step.plan, step.st, step.all_greedy))
+        runner.step_timer.resolve()  # (the driver's engine resolves its own; nothing here reads it)
         seq += 1
     groups.shutdown()  # STOP: every rank is done with the groups
 

@@ -291,7 +291,6 @@ class ModelRunner:
         """(accepted drafts per plan entry, sampled token per plan sample row)."""
         out = flight.wait()
         self.step_timer.host.start()  # the device waits on the host from here (host_path.py)
-        self.step_timer.resolve()  # the step has waited for its results: its marks are readable
         return out
 
     @torch.inference_mode()

@@ -7,9 +7,12 @@ time the device waits on the host (schedule, commit, detokenise, HTTP) while the
 
 On CUDA both marks are `torch.cuda.Event`s on the current stream, read lazily: a step's pair
 is resolved once its end event has completed (checked with `query()`, never waited on), so
-the timer adds no synchronisation. The runner resolves after each step (which has already
-waited for its results) and again before the next one. On CPU the device is the CPU itself and the marks are
-host clock readings; the same arithmetic holds, which keeps the accounting testable.
+the timer adds no synchronisation. The engine resolves once a step (`LLMEngine._take_outputs`:
+when overlapped, after the next step's launch, so the event queries and elapsed-time reads
+stay off the critical path between steps); each step's begin event is made at the previous
+step's end (after its last launch), so `begin()` only records it. On CPU the device is the
+CPU itself and the marks are host clock readings; the same arithmetic holds, which keeps the
+accounting testable.
 
 Invariant: idle is only counted between two steps with work in between. The engine calls
 `pause()` when a schedule finds nothing to run and when its last request leaves; the next
@@ -38,15 +41,18 @@ class StepTimer:
         self._prev_end = None  # end mark of the latest step; None: paused (next gap not counted)
         self._start = None  # begin mark of the step in flight
         self._tag = None  # the step in flight's (batch bucket, K), or None (step_costs.LiveCosts)
+        self._ready = None  # CUDA: the next begin mark's event, made at the last end()
         self._pending: list[tuple] = []  # (gap start or None, begin, end, tag), oldest first
         # tag -> [busy seconds, steps, idle seconds before those steps, gaps counted] (take_by_tag)
         self.by_tag: dict[tuple[int, int], list] = {}
         self.host.reset()
 
-    def _mark(self):
+    def _mark(self, event=None):
+        """A mark now: the host clock, or a recorded CUDA event (`event`: one made earlier)."""
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        if event is None:
+            event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -56,9 +62,9 @@ class StepTimer:
     def begin(self, tag: tuple[int, int] | None = None) -> None:
         """`tag`: a pure-decode step's (batch bucket, K), whose busy time also adds up per
         tag (the adaptive draft length's live costs); None for other steps."""
-        self.resolve()
         self.host.finish()
-        self._start, self._tag = self._mark(), tag
+        ready, self._ready = self._ready, None
+        self._start, self._tag = self._mark(ready), tag
 
     def end(self) -> None:
         if self._start is None:
@@ -66,6 +72,8 @@ class StepTimer:
         end = self._mark()
         self._pending.append((self._prev_end, self._start, end, self._tag))
         self._prev_end, self._start = end, None
+        if self.cuda:  # the next step's begin event, made now (the device is busy) rather than in its gap
+            self._ready = torch.cuda.Event(enable_timing=True)
 
     def pause(self) -> None:
         """The engine has no work (or a step failed midway): the next gap is not idle time."""
