@@ -493,26 +493,30 @@ impl DraftLen {
         if !results.iter().any(|&(_, d, _)| d > 0) {
             self.plain_since = self.plain_since.saturating_add(1); // aged at the next drafting step
         } else {
-            // Calibration first, from the estimates the step was chosen with (nothing was
-            // learned since: a step is committed before the next one is scheduled).
-            let g = self.global_estimates();
-            let seen: Vec<(Vec<f64>, usize, usize)> = results
-                .iter()
-                .filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h))
-                .map(|&(h, d, a)| (self.request_estimates_with(&g, h), d, a))
-                .collect();
             // Calibration and global counts age alike: this step, and the plain ones since the last drafting one.
             let steps = 1 + self.plain_since;
             self.plain_since = 0;
-            let age = CALIBRATION_DECAY.powi(steps);
-            self.calibration
-                .iter_mut()
-                .for_each(|c| *c = (c.0 * age, c.1 * age));
-            for (p, d, accepted) in seen {
-                let mut r = 1.0;
-                for (j, c) in self.calibration.iter_mut().enumerate().take(d) {
-                    r *= p[j];
-                    *c = (c.0 + r, c.1 + (accepted > j) as u8 as f64);
+            // Only the adaptive policy reads the calibration (its choice and its metric): the
+            // others skip it (per request a vector of K estimates, on the commit's critical path).
+            if matches!(self.policy, DraftLenPolicy::Adaptive { .. }) {
+                // From the estimates the step was chosen with (nothing was learned since: a step
+                // is committed before the next one is scheduled).
+                let g = self.global_estimates();
+                let seen: Vec<(Vec<f64>, usize, usize)> = results
+                    .iter()
+                    .filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h))
+                    .map(|&(h, d, a)| (self.request_estimates_with(&g, h), d, a))
+                    .collect();
+                let age = CALIBRATION_DECAY.powi(steps);
+                self.calibration
+                    .iter_mut()
+                    .for_each(|c| *c = (c.0 * age, c.1 * age));
+                for (p, d, accepted) in seen {
+                    let mut r = 1.0;
+                    for (j, c) in self.calibration.iter_mut().enumerate().take(d) {
+                        r *= p[j];
+                        *c = (c.0 + r, c.1 + (accepted > j) as u8 as f64);
+                    }
                 }
             }
             self.global.decay(GLOBAL_DECAY.powi(steps));
@@ -983,6 +987,30 @@ mod tests {
         e.global = before;
         e.observe_step([(2, 3, 3)]);
         assert!(e.global_estimates()[0] < 0.35, "{:?}", e.global_estimates());
+    }
+
+    #[test]
+    fn only_the_adaptive_policy_keeps_a_calibration() {
+        let mut fixed = DraftLen::new(DraftLenPolicy::Fixed, 15);
+        let mut adapt = adaptive(15, vec![3, 15]);
+        for d in [&mut fixed, &mut adapt] {
+            for _ in 0..50 {
+                d.observe_step([(1, 15, 2), (2, 15, 2)]);
+            }
+        }
+        assert!(
+            (1..=15).all(|j| close(fixed.calibration(j), 1.0)),
+            "fixed: the prior, untouched"
+        );
+        assert_eq!(
+            fixed.global_estimates(),
+            adapt.global_estimates(),
+            "both learn the acceptance alike"
+        );
+        assert!(
+            (1..=15).any(|j| !close(adapt.calibration(j), 1.0)),
+            "adaptive: calibrated from the commits"
+        );
     }
 
     #[test]
