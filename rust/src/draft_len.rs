@@ -521,15 +521,20 @@ impl DraftLen {
             }
             self.global.decay(GLOBAL_DECAY.powi(steps));
         }
+        // Per request counts feed only the adaptive choice (`request_estimates` falls back to
+        // the global ones without them).
+        let per_request = matches!(self.policy, DraftLenPolicy::Adaptive { .. });
         for (h, num_drafts, accepted) in results {
             debug_assert!(accepted <= num_drafts && num_drafts <= self.k_max);
             self.global.observe(num_drafts, accepted);
-            let own = self
-                .requests
-                .entry(h)
-                .or_insert_with(|| Counts::new(self.k_max));
-            own.decay(REQUEST_DECAY);
-            own.observe(num_drafts, accepted);
+            if per_request {
+                let own = self
+                    .requests
+                    .entry(h)
+                    .or_insert_with(|| Counts::new(self.k_max));
+                own.decay(REQUEST_DECAY);
+                own.observe(num_drafts, accepted);
+            }
         }
     }
 
@@ -737,7 +742,7 @@ mod tests {
 
     #[test]
     fn a_requests_own_history_dominates_once_it_has_some() {
-        let mut d = DraftLen::new(DraftLenPolicy::Fixed, 2);
+        let mut d = adaptive(2, vec![1, 2]); // (per-request counts: the adaptive policy's)
         measured(&mut d, &[0.2, 0.2]);
         // No history: the global estimate.
         assert_eq!(d.request_estimates(7), d.global_estimates());
@@ -990,7 +995,7 @@ mod tests {
     }
 
     #[test]
-    fn only_the_adaptive_policy_keeps_a_calibration() {
+    fn only_the_adaptive_policy_keeps_a_calibration_and_per_request_counts() {
         let mut fixed = DraftLen::new(DraftLenPolicy::Fixed, 15);
         let mut adapt = adaptive(15, vec![3, 15]);
         for d in [&mut fixed, &mut adapt] {
@@ -1011,6 +1016,12 @@ mod tests {
             (1..=15).any(|j| !close(adapt.calibration(j), 1.0)),
             "adaptive: calibrated from the commits"
         );
+        assert_eq!(
+            (fixed.num_tracked(), adapt.num_tracked()),
+            (0, 2),
+            "per-request counts: adaptive only"
+        );
+        assert_eq!(fixed.request_estimates(1), fixed.global_estimates());
     }
 
     #[test]

@@ -142,12 +142,14 @@ struct DraftLenRef {
     chosen: Vec<usize>,
     /// Per position j (index j - 1): decayed (predicted, observed) acceptances through j.
     calibration: Vec<(f64, f64)>,
+    /// The adaptive policy: only it keeps per-request counts and the calibration.
+    adaptive: bool,
     /// Committed steps with decode entries since the last that drafted.
     plain_since: i32,
 }
 
 impl DraftLenRef {
-    fn new(k: usize) -> Self {
+    fn new(k: usize, adaptive: bool) -> Self {
         let global = (vec![0.0; k], vec![0.0; k]);
         DraftLenRef {
             k,
@@ -157,6 +159,7 @@ impl DraftLenRef {
             requests: HashMap::new(),
             chosen: Vec::new(),
             calibration: vec![(0.0, 0.0); k],
+            adaptive,
             plain_since: 0,
         }
     }
@@ -182,7 +185,7 @@ impl DraftLenRef {
         // Calibration (a step that drafted ages every position's sums): per position j, the
         // probability the estimates (not yet taught by this step) gave each request with a
         // history of accepting through j, and whether it did.
-        if results.iter().any(|&(_, d, _)| d > 0) {
+        if self.adaptive && results.iter().any(|&(_, d, _)| d > 0) {
             let decay = draft_len::CALIBRATION_DECAY.powi(1 + self.plain_since);
             self.calibration
                 .iter_mut()
@@ -214,6 +217,9 @@ impl DraftLenRef {
         }
         for &(h, d, a) in results {
             Self::observe(&mut self.global, 1.0, d, a);
+            if !self.adaptive {
+                continue;
+            }
             let own = self
                 .requests
                 .entry(h)
@@ -1087,6 +1093,7 @@ fn run_full(
         draft_block_rows,
         state_slots,
     };
+    let adaptive_policy = matches!(cfg.draft_len_policy, DraftLenPolicy::Adaptive { .. });
     let mut s = Scheduler::new(cfg).unwrap();
     s.set_mixed_step_limit(mixed).unwrap();
     if weak_hash {
@@ -1096,7 +1103,7 @@ fn run_full(
         });
     }
     let reserve = (k + 1).max(draft_block_rows);
-    let mut dl = DraftLenRef::new(k);
+    let mut dl = DraftLenRef::new(k, adaptive_policy);
     dl.skew = skew;
     let mut h = Harness {
         s,
@@ -1379,7 +1386,7 @@ fn shared_prefixes_hit_in_the_harness() {
     };
     let mut h = Harness {
         s: Scheduler::new(cfg).unwrap(),
-        dl: DraftLenRef::new(3),
+        dl: DraftLenRef::new(3, false),
         model: HashMap::new(),
         content: HashMap::new(),
         next_id: 0,
