@@ -166,19 +166,13 @@ impl DraftLenPolicy {
             DraftLenPolicy::Fixed => Ok(()),
             DraftLenPolicy::Schedule(s) => {
                 if !s.is_empty() && k_max == 0 {
-                    return Err(
-                        "draft_len_schedule needs speculation (num_speculative_tokens >= 1)".into(),
-                    );
+                    return Err("draft_len_schedule needs speculation (num_speculative_tokens >= 1)".into());
                 }
                 if s.windows(2).any(|w| w[0].0 >= w[1].0) {
-                    return Err(format!(
-                        "draft_len_schedule must be ascending in batch size, got {s:?}"
-                    ));
+                    return Err(format!("draft_len_schedule must be ascending in batch size, got {s:?}"));
                 }
                 match s.iter().find(|&&(_, k)| k == 0 || k > k_max) {
-                    Some(&(n, k)) => Err(format!(
-                        "draft_len_schedule entry ({n}, {k}): k must be in 1..={k_max}"
-                    )),
+                    Some(&(n, k)) => Err(format!("draft_len_schedule entry ({n}, {k}): k must be in 1..={k_max}")),
                     None => Ok(()),
                 }
             }
@@ -187,17 +181,13 @@ impl DraftLenPolicy {
                     return Err("the adaptive draft-length policy needs speculation (num_speculative_tokens >= 1)".into());
                 }
                 if let Some(k) = candidates.iter().find(|&&k| k > k_max) {
-                    return Err(format!(
-                        "draft-length candidate {k} is past num_speculative_tokens ({k_max})"
-                    ));
+                    return Err(format!("draft-length candidate {k} is past num_speculative_tokens ({k_max})"));
                 }
                 if !candidates.contains(&k_max) {
                     return Err(format!("draft-length candidates {candidates:?} must include num_speculative_tokens ({k_max})"));
                 }
                 if self.choices(k_max).len() != candidates.len() {
-                    return Err(format!(
-                        "draft-length candidates {candidates:?} repeat a value"
-                    ));
+                    return Err(format!("draft-length candidates {candidates:?} repeat a value"));
                 }
                 Ok(())
             }
@@ -226,51 +216,28 @@ impl StepCosts {
             return bad("need at least one batch bucket and one k".into());
         }
         if buckets[0] == 0 || buckets.windows(2).any(|w| w[0] >= w[1]) {
-            return bad(format!(
-                "batch buckets must be >= 1 and strictly ascending, got {buckets:?}"
-            ));
+            return bad(format!("batch buckets must be >= 1 and strictly ascending, got {buckets:?}"));
         }
         if ks.windows(2).any(|w| w[0] >= w[1]) {
             return bad(format!("k's must be strictly ascending, got {ks:?}"));
         }
         if seconds.len() != buckets.len() {
-            return bad(format!(
-                "{} rows of seconds for {} buckets",
-                seconds.len(),
-                buckets.len()
-            ));
+            return bad(format!("{} rows of seconds for {} buckets", seconds.len(), buckets.len()));
         }
         for (row, &n) in seconds.iter().zip(&buckets) {
             if row.len() != ks.len() {
-                return bad(format!(
-                    "bucket {n}: {} costs for {} k's",
-                    row.len(),
-                    ks.len()
-                ));
+                return bad(format!("bucket {n}: {} costs for {} k's", row.len(), ks.len()));
             }
-            if let Some((&k, &c)) = ks
-                .iter()
-                .zip(row)
-                .find(|&(_, &c)| !(c.is_finite() && c > 0.0))
-            {
-                return bad(format!(
-                    "bucket {n}, k {k}: cost {c} must be finite and > 0 seconds"
-                ));
+            if let Some((&k, &c)) = ks.iter().zip(row).find(|&(_, &c)| !(c.is_finite() && c > 0.0)) {
+                return bad(format!("bucket {n}, k {k}: cost {c} must be finite and > 0 seconds"));
             }
         }
-        Ok(StepCosts {
-            buckets,
-            ks,
-            seconds,
-        })
+        Ok(StepCosts { buckets, ks, seconds })
     }
 
     /// Index of the bucket a step with `n` decoding requests runs in.
     fn bucket_index(&self, n: usize) -> usize {
-        self.buckets
-            .iter()
-            .position(|&b| b >= n)
-            .unwrap_or(self.buckets.len() - 1)
+        self.buckets.iter().position(|&b| b >= n).unwrap_or(self.buckets.len() - 1)
     }
 
     /// Seconds of a step with `n` decoding requests drafting `k`, if k was measured.
@@ -294,17 +261,11 @@ struct Counts {
 
 impl Counts {
     fn new(k_max: usize) -> Self {
-        Counts {
-            trials: vec![0.0; k_max],
-            accepts: vec![0.0; k_max],
-        }
+        Counts { trials: vec![0.0; k_max], accepts: vec![0.0; k_max] }
     }
 
     fn decay(&mut self, factor: f64) {
-        self.trials
-            .iter_mut()
-            .chain(self.accepts.iter_mut())
-            .for_each(|x| *x *= factor);
+        self.trials.iter_mut().chain(self.accepts.iter_mut()).for_each(|x| *x *= factor);
     }
 
     /// `num_drafts` proposed, `accepted` of them accepted (the leading ones).
@@ -405,8 +366,7 @@ impl DraftLen {
         if let Some(k) = self.policy.static_draft_len(self.k_max, decoding.len()) {
             return k;
         }
-        let (DraftLenPolicy::Adaptive { candidates }, Some(costs)) = (&self.policy, &self.costs)
-        else {
+        let (DraftLenPolicy::Adaptive { candidates }, Some(costs)) = (&self.policy, &self.costs) else {
             return self.k_max;
         };
         if decoding.is_empty() {
@@ -440,10 +400,7 @@ impl DraftLen {
         let mut ks = candidates.clone();
         ks.sort_unstable();
         for k in ks {
-            let rate = tokens[k]
-                / costs
-                    .cost(n, k)
-                    .expect("candidates are measured (set_step_costs)");
+            let rate = tokens[k] / costs.cost(n, k).expect("candidates are measured (set_step_costs)");
             // Strictly better only: a tie goes to the shorter block.
             if rate > best.0 {
                 second = best;
@@ -459,10 +416,7 @@ impl DraftLen {
         // over a plain one: exploring spends at most ~1/EXPLORE_AFTER of the time, not of the
         // steps (a drafting step of a batch on a CPU costs 3-4 plain ones).
         let explore = explore && {
-            let ratio = costs
-                .cost(n, best_drafting.1)
-                .zip(costs.cost(n, 0))
-                .map_or(1.0, |(d, p)| d / p);
+            let ratio = costs.cost(n, best_drafting.1).zip(costs.cost(n, 0)).map_or(1.0, |(d, p)| d / p);
             self.zero_run as f64 >= EXPLORE_AFTER as f64 * ratio.max(1.0)
         };
         if best.1 == 0 && explore && best_drafting.0.is_finite() {
@@ -508,9 +462,7 @@ impl DraftLen {
                     .map(|&(h, d, a)| (self.request_estimates_with(&g, h), d, a))
                     .collect();
                 let age = CALIBRATION_DECAY.powi(steps);
-                self.calibration
-                    .iter_mut()
-                    .for_each(|c| *c = (c.0 * age, c.1 * age));
+                self.calibration.iter_mut().for_each(|c| *c = (c.0 * age, c.1 * age));
                 for (p, d, accepted) in seen {
                     let mut r = 1.0;
                     for (j, c) in self.calibration.iter_mut().enumerate().take(d) {
@@ -528,10 +480,7 @@ impl DraftLen {
             debug_assert!(accepted <= num_drafts && num_drafts <= self.k_max);
             self.global.observe(num_drafts, accepted);
             if per_request {
-                let own = self
-                    .requests
-                    .entry(h)
-                    .or_insert_with(|| Counts::new(self.k_max));
+                let own = self.requests.entry(h).or_insert_with(|| Counts::new(self.k_max));
                 own.decay(REQUEST_DECAY);
                 own.observe(num_drafts, accepted);
             }
@@ -596,47 +545,24 @@ impl DraftLen {
     /// choose (zeros included), and any other k that was chosen.
     pub fn counts(&self) -> Vec<(usize, u64)> {
         let choices = self.policy.choices(self.k_max);
-        self.chosen
-            .iter()
-            .enumerate()
-            .filter(|&(k, &c)| c > 0 || choices.contains(&k))
-            .map(|(k, &c)| (k, c))
-            .collect()
+        self.chosen.iter().enumerate().filter(|&(k, &c)| c > 0 || choices.contains(&k)).map(|(k, &c)| (k, c)).collect()
     }
 
     pub(crate) fn check(&self, is_live: impl Fn(u64) -> bool) -> Result<(), String> {
-        self.global
-            .check()
-            .map_err(|m| format!("global acceptance counts: {m}"))?;
-        if let Some((k, c)) = self
-            .calibration
-            .iter()
-            .enumerate()
-            .find(|(_, c)| !(c.0.is_finite() && c.1.is_finite() && c.0 >= 0.0 && c.1 >= 0.0))
-        {
+        self.global.check().map_err(|m| format!("global acceptance counts: {m}"))?;
+        if let Some((k, c)) = self.calibration.iter().enumerate().find(|(_, c)| !(c.0.is_finite() && c.1.is_finite() && c.0 >= 0.0 && c.1 >= 0.0)) {
             return Err(format!("calibration sums of position {}: {c:?}", k + 1));
         }
         for (h, c) in &self.requests {
             if !is_live(*h) {
                 return Err(format!("acceptance counts of request {h}, which is gone"));
             }
-            c.check()
-                .map_err(|m| format!("acceptance counts of request {h}: {m}"))?;
-            if let Some(p) = self
-                .request_estimates(*h)
-                .into_iter()
-                .find(|p| !(0.0..=1.0).contains(p))
-            {
-                return Err(format!(
-                    "request {h}: acceptance estimate {p} outside [0, 1]"
-                ));
+            c.check().map_err(|m| format!("acceptance counts of request {h}: {m}"))?;
+            if let Some(p) = self.request_estimates(*h).into_iter().find(|p| !(0.0..=1.0).contains(p)) {
+                return Err(format!("request {h}: acceptance estimate {p} outside [0, 1]"));
             }
         }
-        if let Some(p) = self
-            .global_estimates()
-            .into_iter()
-            .find(|p| !(0.0..=1.0).contains(p))
-        {
+        if let Some(p) = self.global_estimates().into_iter().find(|p| !(0.0..=1.0).contains(p)) {
             return Err(format!("global acceptance estimate {p} outside [0, 1]"));
         }
         Ok(())
@@ -656,6 +582,7 @@ pub fn expected_tokens(p: &[f64]) -> Vec<f64> {
     }
     out
 }
+
 
 #[cfg(test)]
 mod tests {
@@ -693,44 +620,27 @@ mod tests {
     fn a_step_teaches_positions_up_to_the_first_rejection_and_nothing_past_it() {
         let mut c = Counts::new(4);
         c.observe(3, 1); // draft 1 accepted, draft 2 rejected, draft 3 unseen
-        assert_eq!(
-            (c.trials.clone(), c.accepts.clone()),
-            (vec![1.0, 1.0, 0.0, 0.0], vec![1.0, 0.0, 0.0, 0.0])
-        );
+        assert_eq!((c.trials.clone(), c.accepts.clone()), (vec![1.0, 1.0, 0.0, 0.0], vec![1.0, 0.0, 0.0, 0.0]));
         c.observe(2, 2); // all accepted: nothing about position 3
-        assert_eq!(
-            (c.trials.clone(), c.accepts.clone()),
-            (vec![2.0, 2.0, 0.0, 0.0], vec![2.0, 1.0, 0.0, 0.0])
-        );
+        assert_eq!((c.trials.clone(), c.accepts.clone()), (vec![2.0, 2.0, 0.0, 0.0], vec![2.0, 1.0, 0.0, 0.0]));
         c.observe(0, 0); // a plain decode step proposes nothing
         assert_eq!(c.trials, vec![2.0, 2.0, 0.0, 0.0]);
         c.decay(0.5);
-        assert_eq!(
-            (c.trials, c.accepts),
-            (vec![1.0, 1.0, 0.0, 0.0], vec![1.0, 0.5, 0.0, 0.0])
-        );
+        assert_eq!((c.trials, c.accepts), (vec![1.0, 1.0, 0.0, 0.0], vec![1.0, 0.5, 0.0, 0.0]));
     }
 
     #[test]
     fn global_counts_age_once_per_step_and_unseen_positions_follow_the_decaying_prior() {
         let mut d = DraftLen::new(DraftLenPolicy::Fixed, 3);
         let g = d.global_estimates();
-        assert!(
-            close(g[0], PRIOR_FIRST)
-                && close(g[1], PRIOR_DECAY * g[0])
-                && close(g[2], PRIOR_DECAY * g[1])
-        );
+        assert!(close(g[0], PRIOR_FIRST) && close(g[1], PRIOR_DECAY * g[0]) && close(g[2], PRIOR_DECAY * g[1]));
         // Two requests in one step: one aging, then both observations.
         d.observe_step([(1, 1, 1), (2, 1, 1)]);
         assert_eq!(d.global.trials, vec![2.0, 0.0, 0.0]);
         d.observe_step([(1, 1, 0)]);
-        assert!(
-            close(d.global.trials[0], 2.0 * GLOBAL_DECAY + 1.0)
-                && close(d.global.accepts[0], 2.0 * GLOBAL_DECAY)
-        );
+        assert!(close(d.global.trials[0], 2.0 * GLOBAL_DECAY + 1.0) && close(d.global.accepts[0], 2.0 * GLOBAL_DECAY));
         let g = d.global_estimates();
-        let p1 = (2.0 * GLOBAL_DECAY + PRIOR_WEIGHT * PRIOR_FIRST)
-            / (2.0 * GLOBAL_DECAY + 1.0 + PRIOR_WEIGHT);
+        let p1 = (2.0 * GLOBAL_DECAY + PRIOR_WEIGHT * PRIOR_FIRST) / (2.0 * GLOBAL_DECAY + 1.0 + PRIOR_WEIGHT);
         assert!(close(g[0], p1));
         // Position 2 was never proposed: the prior chained off p_1.
         assert!(close(g[1], PRIOR_DECAY * p1) && close(g[2], PRIOR_DECAY * PRIOR_DECAY * p1));
@@ -756,10 +666,7 @@ mod tests {
         let g = d.global_estimates();
         let w = n / (n + REQUEST_PRIOR_WEIGHT);
         let p = d.request_estimates(7);
-        assert!(
-            close(p[0], w * 1.0 + (1.0 - w) * g[0]) && p[0] > 0.8,
-            "{p:?}"
-        );
+        assert!(close(p[0], w * 1.0 + (1.0 - w) * g[0]) && p[0] > 0.8, "{p:?}");
         assert!(close(d.request_estimates(8)[0], g[0]));
         // Its counts age per step of its own: another request's steps leave them alone.
         d.observe_step([(8, 2, 0)]);
@@ -773,12 +680,8 @@ mod tests {
     fn cheap_drafts_and_high_acceptance_draft_the_most() {
         let mut d = adaptive(7, (0..=7).collect());
         measured(&mut d, &[0.95; 7]);
-        d.set_step_costs(costs(
-            vec![1, 8],
-            (0..=7).collect(),
-            vec![(0..=7).map(|k| 1.0 + 0.02 * k as f64).collect(); 2],
-        ))
-        .unwrap();
+        d.set_step_costs(costs(vec![1, 8], (0..=7).collect(), vec![(0..=7).map(|k| 1.0 + 0.02 * k as f64).collect(); 2]))
+            .unwrap();
         assert_eq!(d.choose(&[1]), 7);
         assert_eq!(d.choose(&[1, 2, 3]), 7);
     }
@@ -788,17 +691,13 @@ mod tests {
         let mut d = adaptive(7, (0..=7).collect());
         measured(&mut d, &[0.95; 7]);
         // A step drafting k costs 3 + k plain steps: at 0.95 no block pays (k = 7: 6.7 tokens in 10x the time).
-        let seconds = (0..=7)
-            .map(|k| if k == 0 { 1.0 } else { 3.0 + k as f64 })
-            .collect();
-        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![seconds]))
-            .unwrap();
+        let seconds = (0..=7).map(|k| if k == 0 { 1.0 } else { 3.0 + k as f64 }).collect();
+        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![seconds])).unwrap();
         assert_eq!(d.choose(&[1, 2]), 0);
         let mut d = adaptive(7, (0..=7).collect());
         measured(&mut d, &[0.0; 7]);
         let seconds = (0..=7).map(|k| 1.0 + 0.01 * k as f64).collect();
-        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![seconds]))
-            .unwrap();
+        d.set_step_costs(costs(vec![4], (0..=7).collect(), vec![seconds])).unwrap();
         assert_eq!(d.choose(&[1]), 0);
     }
 
@@ -807,8 +706,7 @@ mod tests {
         let mut d = adaptive(7, vec![0, 3, 7]);
         measured(&mut d, &[0.0; 7]);
         let seconds = vec![1.0, 1.5, 2.0];
-        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![seconds]))
-            .unwrap();
+        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![seconds])).unwrap();
         // The run before exploring scales with the drafting step's cost: 1.5x a plain one.
         for _ in 0..EXPLORE_AFTER * 3 / 2 {
             assert_eq!(d.choose(&[1]), 0);
@@ -828,8 +726,7 @@ mod tests {
         // A batch past 2 runs in the second bucket, where drafting costs 4x a plain step.
         let small = vec![1.0, 1.2, 1.5, 3.0];
         let large = vec![1.0, 4.0, 5.0, 6.0];
-        d.set_step_costs(costs(vec![2, 16], vec![0, 2, 4, 7], vec![small, large]))
-            .unwrap();
+        d.set_step_costs(costs(vec![2, 16], vec![0, 2, 4, 7], vec![small, large])).unwrap();
         assert_eq!(d.choose(&[1]), 4);
         assert_eq!(d.choose(&[1, 2]), 4);
         assert_eq!(d.choose(&[1, 2, 3]), 0);
@@ -844,11 +741,7 @@ mod tests {
         assert!(d2.request_estimates(1)[0] < 0.2 && d2.global_estimates()[0] > 0.79);
         assert!(d2.choose(&[1]) < 4);
         assert_eq!(d2.choose(&[1, 2]), 4);
-        assert_eq!(
-            d.choose(&[1]),
-            4,
-            "the choice is a pure function of the history"
-        );
+        assert_eq!(d.choose(&[1]), 4, "the choice is a pure function of the history");
     }
 
     #[test]
@@ -856,8 +749,7 @@ mod tests {
         let mut d = adaptive(5, vec![0, 5]);
         measured(&mut d, &[0.0; 5]);
         assert_eq!(d.choose(&[1, 2]), 5);
-        d.set_step_costs(costs(vec![1], vec![0, 5], vec![vec![1.0, 1.5]]))
-            .unwrap();
+        d.set_step_costs(costs(vec![1], vec![0, 5], vec![vec![1.0, 1.5]])).unwrap();
         assert_eq!(d.choose(&[1, 2]), 0);
         assert_eq!(d.choose(&[]), 5);
     }
@@ -870,12 +762,7 @@ mod tests {
         let mut d = adaptive(4, (0..=4).collect());
         // Drafting one costs 1.2x: its rate (1 + p_1) / 1.2 stays below PROBE_WITHIN of a plain
         // step's, so the runner-up probe never fires here.
-        d.set_step_costs(costs(
-            vec![1],
-            (0..=4).collect(),
-            vec![vec![1.0, 1.2, 1.3, 1.4, 1.5]],
-        ))
-        .unwrap();
+        d.set_step_costs(costs(vec![1], (0..=4).collect(), vec![vec![1.0, 1.2, 1.3, 1.4, 1.5]])).unwrap();
         for _ in 0..50 {
             d.observe_step([(1, 4, 0)]);
         }
@@ -900,10 +787,7 @@ mod tests {
         assert!(probes.len() as u64 <= steps / 8, "{probes:?}");
         assert!(probes.windows(2).all(|w| w[1] - w[0] >= 8), "{probes:?}");
         assert!(d.global_estimates()[0] < 0.35, "{:?}", d.global_estimates());
-        assert!(
-            d.global.trials[0] > 0.0 && d.global.accepts[0] == 0.0 && d.global != global,
-            "the probes were learnt from"
-        );
+        assert!(d.global.trials[0] > 0.0 && d.global.accepts[0] == 0.0 && d.global != global, "the probes were learnt from");
     }
 
     #[test]
@@ -911,8 +795,7 @@ mod tests {
         let mut d = adaptive(7, vec![0, 3, 7]);
         measured(&mut d, &[0.9; 7]);
         // Drafting pays by far (k = 3: 3.44 tokens for 1.2x; k = 7 is not within 0.9 of it).
-        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 3.0]]))
-            .unwrap();
+        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 3.0]])).unwrap();
         let mut plain = vec![];
         for step in 0..2 * (PLAIN_AFTER + 1) {
             let k = d.choose(&[1]);
@@ -924,8 +807,7 @@ mod tests {
         assert_eq!(plain, vec![PLAIN_AFTER, 2 * PLAIN_AFTER + 1]);
         // Not without 0 among the candidates.
         let mut d = adaptive(7, vec![3, 7]);
-        d.set_step_costs(costs(vec![4], vec![3, 7], vec![vec![1.2, 3.0]]))
-            .unwrap();
+        d.set_step_costs(costs(vec![4], vec![3, 7], vec![vec![1.2, 3.0]])).unwrap();
         for _ in 0..2 * PLAIN_AFTER {
             let k = d.choose(&[1]);
             d.record_choice(k);
@@ -939,8 +821,7 @@ mod tests {
         measured(&mut d, &[0.8; 7]);
         // p = 0.8: tokens k=0 1, k=3 2.95, k=7 4.16. Rates at these costs: 1.0, 2.46, 2.31:
         // k = 7 is within 0.9 of the best (k = 3), a plain step is not.
-        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 1.8]]))
-            .unwrap();
+        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 1.8]])).unwrap();
         let mut picks = vec![];
         for _ in 0..2 * PROBE_EVERY {
             let k = d.choose(&[1]);
@@ -952,8 +833,7 @@ mod tests {
         assert_eq!(probes, vec![e - 1, 2 * e - 1]);
         assert!(probes.iter().all(|&i| picks[i] == 7));
         // The runner-up far below the best (k = 7 at 3x the cost): no probe.
-        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 3.0]]))
-            .unwrap();
+        d.set_step_costs(costs(vec![4], vec![0, 3, 7], vec![vec![1.0, 1.2, 3.0]])).unwrap();
         for _ in 0..2 * PROBE_EVERY {
             let k = d.choose(&[1]);
             d.record_choice(k);
@@ -967,25 +847,15 @@ mod tests {
         // step on code-like traffic: the counts from before the stretch have aged by it.
         let mut d = adaptive(3, vec![0, 1, 3]);
         // The steady state of one request a step: ~1 / (1 - GLOBAL_DECAY) = 50 trials a position.
-        d.global = Counts {
-            trials: vec![50.0, 15.0, 4.5],
-            accepts: vec![15.0, 4.5, 1.35],
-        };
+        d.global = Counts { trials: vec![50.0, 15.0, 4.5], accepts: vec![15.0, 4.5, 1.35] };
         let before = d.global.clone();
         for _ in 0..200 {
             d.observe_step([(1, 0, 0)]);
         }
-        assert_eq!(
-            d.global, before,
-            "plain steps leave the estimates as they are"
-        );
+        assert_eq!(d.global, before, "plain steps leave the estimates as they are");
         d.observe_step([(2, 3, 3)]);
         let aged = GLOBAL_DECAY.powi(201);
-        assert!(
-            close(d.global.trials[0], 50.0 * aged + 1.0),
-            "{:?}",
-            d.global.trials
-        );
+        assert!(close(d.global.trials[0], 50.0 * aged + 1.0), "{:?}", d.global.trials);
         assert!(d.global_estimates()[0] > 0.6, "{:?}", d.global_estimates());
         // Without the stretch the same step moves the estimate little.
         let mut e = adaptive(3, vec![0, 1, 3]);
@@ -1003,24 +873,10 @@ mod tests {
                 d.observe_step([(1, 15, 2), (2, 15, 2)]);
             }
         }
-        assert!(
-            (1..=15).all(|j| close(fixed.calibration(j), 1.0)),
-            "fixed: the prior, untouched"
-        );
-        assert_eq!(
-            fixed.global_estimates(),
-            adapt.global_estimates(),
-            "both learn the acceptance alike"
-        );
-        assert!(
-            (1..=15).any(|j| !close(adapt.calibration(j), 1.0)),
-            "adaptive: calibrated from the commits"
-        );
-        assert_eq!(
-            (fixed.num_tracked(), adapt.num_tracked()),
-            (0, 2),
-            "per-request counts: adaptive only"
-        );
+        assert!((1..=15).all(|j| close(fixed.calibration(j), 1.0)), "fixed: the prior, untouched");
+        assert_eq!(fixed.global_estimates(), adapt.global_estimates(), "both learn the acceptance alike");
+        assert!((1..=15).any(|j| !close(adapt.calibration(j), 1.0)), "adaptive: calibrated from the commits");
+        assert_eq!((fixed.num_tracked(), adapt.num_tracked()), (0, 2), "per-request counts: adaptive only");
         assert_eq!(fixed.request_estimates(1), fixed.global_estimates());
     }
 
@@ -1029,8 +885,7 @@ mod tests {
         let mut d = adaptive(15, vec![3, 15]);
         measured(&mut d, &[0.9; 15]);
         // p = 0.9: tokens k=3 3.44, k=15 8.15 (for 1.3x the cost): 15.
-        d.set_step_costs(costs(vec![1], vec![3, 15], vec![vec![1.0, 1.3]]))
-            .unwrap();
+        d.set_step_costs(costs(vec![1], vec![3, 15], vec![vec![1.0, 1.3]])).unwrap();
         assert_eq!(d.choose(&[1]), 15);
         assert!((1..=15).all(|j| close(d.calibration(j), 1.0)));
         // A request's first step teaches the estimates, not the calibration.
@@ -1041,13 +896,7 @@ mod tests {
         let mut predicted = vec![0.0; 15];
         let mut reached = vec![0.0; 15];
         for i in 0..200 {
-            d.requests.insert(
-                100 + i,
-                Counts {
-                    trials: vec![20.0; 15],
-                    accepts: vec![20.0; 15],
-                },
-            );
+            d.requests.insert(100 + i, Counts { trials: vec![20.0; 15], accepts: vec![20.0; 15] });
             let p = d.request_estimates(100 + i);
             let mut r = 1.0;
             for j in 0..15 {
@@ -1058,20 +907,10 @@ mod tests {
             d.observe_step([(100 + i, 15, 3)]);
         }
         for j in 1..=15 {
-            let want =
-                (reached[j - 1] + CALIBRATION_PRIOR) / (predicted[j - 1] + CALIBRATION_PRIOR);
-            assert!(
-                (d.calibration(j) - want).abs() < 1e-9,
-                "position {j}: {} vs {want}",
-                d.calibration(j)
-            );
+            let want = (reached[j - 1] + CALIBRATION_PRIOR) / (predicted[j - 1] + CALIBRATION_PRIOR);
+            assert!((d.calibration(j) - want).abs() < 1e-9, "position {j}: {} vs {want}", d.calibration(j));
         }
-        assert!(
-            d.calibration(3) >= 1.0 && d.calibration(4) < 0.2,
-            "{} {}",
-            d.calibration(3),
-            d.calibration(4)
-        );
+        assert!(d.calibration(3) >= 1.0 && d.calibration(4) < 0.2, "{} {}", d.calibration(3), d.calibration(4));
         // A fresh request (the global 0.9, re-measured): k = 15's positions 4..15 now count
         // for < 0.2 of their estimate, and k = 3 is chosen.
         measured(&mut d, &[0.9; 15]);
@@ -1083,11 +922,7 @@ mod tests {
             d.observe_step([(1000, 3, 2)]);
             d.requests.remove(&1000);
         }
-        assert!(
-            (4..=15).all(|j| (d.calibration(j) - 1.0).abs() < 0.05),
-            "{}",
-            d.calibration(4)
-        );
+        assert!((4..=15).all(|j| (d.calibration(j) - 1.0).abs() < 0.05), "{}", d.calibration(4));
         measured(&mut d, &[0.9; 15]);
         assert_eq!(d.choose(&[1]), 15);
         d.requests.retain(|&h, _| (100..300).contains(&h));
@@ -1102,8 +937,7 @@ mod tests {
         // ones, so it drafts again long before the exploration rule would make it.
         let mut d = adaptive(3, vec![0, 1, 3]);
         measured(&mut d, &[0.75, 0.75, 0.75]);
-        d.set_step_costs(costs(vec![1], vec![0, 1, 3], vec![vec![1.0, 1.5, 2.16]]))
-            .unwrap();
+        d.set_step_costs(costs(vec![1], vec![0, 1, 3], vec![vec![1.0, 1.5, 2.16]])).unwrap();
         assert_eq!(d.choose(&[1]), 3);
         for _ in 0..6 {
             d.observe_step([(1, 3, 0)]); // the bad stretch (the global counts learn it too)
@@ -1115,40 +949,20 @@ mod tests {
             d.record_choice(0);
             d.observe_step([(1, 0, 0)]);
             plain += 1;
-            assert_eq!(
-                d.global_estimates(),
-                g,
-                "a plain step leaves the global estimate"
-            );
-            assert!(
-                plain < EXPLORE_AFTER,
-                "the request never returned to the global estimate"
-            );
+            assert_eq!(d.global_estimates(), g, "a plain step leaves the global estimate");
+            assert!(plain < EXPLORE_AFTER, "the request never returned to the global estimate");
         }
-        assert!(
-            plain >= 2,
-            "drafted again at once: the bad stretch was not heeded"
-        );
+        assert!(plain >= 2, "drafted again at once: the bad stretch was not heeded");
     }
 
     #[test]
     fn step_costs_are_validated() {
         let ok = |b: Vec<usize>, k: Vec<usize>, s: Vec<Vec<f64>>| StepCosts::new(b, k, s).is_ok();
-        assert!(ok(
-            vec![1, 4],
-            vec![0, 3],
-            vec![vec![1.0, 2.0], vec![3.0, 4.0]]
-        ));
+        assert!(ok(vec![1, 4], vec![0, 3], vec![vec![1.0, 2.0], vec![3.0, 4.0]]));
         assert!(!ok(vec![], vec![0], vec![]));
         assert!(!ok(vec![1], vec![], vec![vec![]]));
-        assert!(
-            !ok(vec![0, 4], vec![0], vec![vec![1.0], vec![1.0]]),
-            "bucket 0"
-        );
-        assert!(
-            !ok(vec![4, 1], vec![0], vec![vec![1.0], vec![1.0]]),
-            "descending buckets"
-        );
+        assert!(!ok(vec![0, 4], vec![0], vec![vec![1.0], vec![1.0]]), "bucket 0");
+        assert!(!ok(vec![4, 1], vec![0], vec![vec![1.0], vec![1.0]]), "descending buckets");
         assert!(!ok(vec![1], vec![3, 3], vec![vec![1.0, 1.0]]), "repeated k");
         assert!(!ok(vec![1, 2], vec![0], vec![vec![1.0]]), "missing row");
         assert!(!ok(vec![1], vec![0, 1], vec![vec![1.0]]), "short row");
@@ -1156,20 +970,10 @@ mod tests {
             assert!(!ok(vec![1], vec![0], vec![vec![c]]), "cost {c}");
         }
         let mut d = adaptive(3, vec![0, 3]);
-        assert!(
-            d.set_step_costs(costs(vec![1], vec![0, 4], vec![vec![1.0, 2.0]]))
-                .is_err(),
-            "k past K"
-        );
-        assert!(
-            d.set_step_costs(costs(vec![1], vec![0, 2], vec![vec![1.0, 2.0]]))
-                .is_err(),
-            "candidate 3 unmeasured"
-        );
+        assert!(d.set_step_costs(costs(vec![1], vec![0, 4], vec![vec![1.0, 2.0]])).is_err(), "k past K");
+        assert!(d.set_step_costs(costs(vec![1], vec![0, 2], vec![vec![1.0, 2.0]])).is_err(), "candidate 3 unmeasured");
         assert!(d.step_costs().is_none());
-        assert!(d
-            .set_step_costs(costs(vec![1], vec![0, 1, 3], vec![vec![1.0, 2.0, 3.0]]))
-            .is_ok());
+        assert!(d.set_step_costs(costs(vec![1], vec![0, 1, 3], vec![vec![1.0, 2.0, 3.0]])).is_ok());
     }
 
     #[test]
@@ -1181,54 +985,12 @@ mod tests {
         assert!(!v(DraftLenPolicy::Schedule(vec![(1, 0)]), 7));
         assert!(!v(DraftLenPolicy::Schedule(vec![(1, 8)]), 7));
         assert!(!v(DraftLenPolicy::Schedule(vec![(1, 1)]), 0));
-        assert!(v(
-            DraftLenPolicy::Adaptive {
-                candidates: vec![0, 3, 7]
-            },
-            7
-        ));
-        assert!(v(
-            DraftLenPolicy::Adaptive {
-                candidates: vec![7, 0]
-            },
-            7
-        ));
-        assert!(
-            !v(
-                DraftLenPolicy::Adaptive {
-                    candidates: vec![0, 3]
-                },
-                7
-            ),
-            "must include K"
-        );
-        assert!(
-            !v(
-                DraftLenPolicy::Adaptive {
-                    candidates: vec![0, 8, 7]
-                },
-                7
-            ),
-            "past K"
-        );
-        assert!(
-            !v(
-                DraftLenPolicy::Adaptive {
-                    candidates: vec![0, 7, 7]
-                },
-                7
-            ),
-            "repeated"
-        );
-        assert!(
-            !v(
-                DraftLenPolicy::Adaptive {
-                    candidates: vec![0]
-                },
-                0
-            ),
-            "needs speculation"
-        );
+        assert!(v(DraftLenPolicy::Adaptive { candidates: vec![0, 3, 7] }, 7));
+        assert!(v(DraftLenPolicy::Adaptive { candidates: vec![7, 0] }, 7));
+        assert!(!v(DraftLenPolicy::Adaptive { candidates: vec![0, 3] }, 7), "must include K");
+        assert!(!v(DraftLenPolicy::Adaptive { candidates: vec![0, 8, 7] }, 7), "past K");
+        assert!(!v(DraftLenPolicy::Adaptive { candidates: vec![0, 7, 7] }, 7), "repeated");
+        assert!(!v(DraftLenPolicy::Adaptive { candidates: vec![0] }, 0), "needs speculation");
     }
 
     #[test]
@@ -1240,19 +1002,13 @@ mod tests {
         assert_eq!(d.counts(), vec![(0, 0), (2, 2), (4, 1)]);
         let d = DraftLen::new(DraftLenPolicy::Schedule(vec![(1, 3), (4, 1)]), 3);
         assert_eq!(d.counts(), vec![(1, 0), (3, 0)]);
-        assert_eq!(
-            DraftLen::new(DraftLenPolicy::Fixed, 0).counts(),
-            vec![(0, 0)]
-        );
+        assert_eq!(DraftLen::new(DraftLenPolicy::Fixed, 0).counts(), vec![(0, 0)]);
     }
 
     #[test]
     fn draft_len_for_follows_the_schedule() {
         let s = [(1, 7), (3, 4)];
-        assert_eq!(
-            [0, 1, 2, 3, 4, 99].map(|n| draft_len_for(&s, 7, n)),
-            [7, 7, 4, 4, 4, 4]
-        );
+        assert_eq!([0, 1, 2, 3, 4, 99].map(|n| draft_len_for(&s, 7, n)), [7, 7, 4, 4, 4, 4]);
         assert_eq!(draft_len_for(&[], 5, 9), 5);
     }
 }

@@ -25,17 +25,11 @@ impl Param {
 pub enum CoreError {
     InvalidConfig(String),
     /// The request can never be served (too long for the model or the pool, bad input).
-    Rejected {
-        request_id: String,
-        param: Param,
-        reason: String,
-    },
+    Rejected { request_id: String, param: Param, reason: String },
     DuplicateRequest(String),
     UnknownRequest(String),
     /// `schedule()` while the previous plan is neither committed nor cancelled.
-    PlanOutstanding {
-        step_id: u64,
-    },
+    PlanOutstanding { step_id: u64 },
     /// A plan that is not the outstanding one, or whose requests were aborted or preempted.
     StalePlan(String),
     /// Results that do not fit the plan (wrong lengths, more accepted than proposed).

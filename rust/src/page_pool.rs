@@ -196,10 +196,7 @@ pub struct PagePool {
 impl PagePool {
     /// `num_pages` includes the null page, so `num_pages - 1` pages are usable.
     pub fn new(num_pages: usize, page_size: usize) -> Self {
-        assert!(
-            num_pages >= 2,
-            "a pool needs the null page and at least one usable page"
-        );
+        assert!(num_pages >= 2, "a pool needs the null page and at least one usable page");
         assert!(page_size >= 1, "page_size must be >= 1");
         assert!(num_pages <= u32::MAX as usize, "too many pages");
         let n = num_pages;
@@ -219,11 +216,7 @@ impl PagePool {
             hash_fn: default_page_hash,
             evictions: 0,
         };
-        PagePool {
-            page_size,
-            num_pages,
-            state: Arc::new(Mutex::new(state)),
-        }
+        PagePool { page_size, num_pages, state: Arc::new(Mutex::new(state)) }
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolState> {
@@ -287,19 +280,13 @@ impl PagePool {
     #[doc(hidden)]
     pub fn set_hash_fn(&self, f: PageHashFn) {
         let mut st = self.lock();
-        assert!(
-            st.index.is_empty(),
-            "set the page hash before anything is published"
-        );
+        assert!(st.index.is_empty(), "set the page hash before anything is published");
         st.hash_fn = f;
     }
 
     /// An empty page list bound to this pool.
     pub fn empty_list(&self) -> PageList {
-        PageList {
-            pool: self.clone(),
-            pages: Vec::new(),
-        }
+        PageList { pool: self.clone(), pages: Vec::new() }
     }
 
     /// Grow `list` to at least `n` pages. All or nothing: on shortage nothing changes.
@@ -314,10 +301,7 @@ impl PagePool {
         for &p in &list.pages {
             st.refcount[p as usize] += 1;
         }
-        PageList {
-            pool: self.clone(),
-            pages: list.pages.clone(),
-        }
+        PageList { pool: self.clone(), pages: list.pages.clone() }
     }
 
     /// The longest run of published pages equal to the leading full pages of `tokens`:
@@ -326,10 +310,7 @@ impl PagePool {
     /// Returns `(page, entry)` per hit page. Changes nothing.
     pub fn match_prefix(&self, hashes: &[u64], tokens: &[u32]) -> Vec<(PageId, EntryId)> {
         let ps = self.page_size;
-        assert!(
-            tokens.len() >= hashes.len() * ps,
-            "fewer tokens than hashed pages"
-        );
+        assert!(tokens.len() >= hashes.len() * ps, "fewer tokens than hashed pages");
         let st = self.lock();
         let mut hits = Vec::new();
         let mut parent = ROOT_ENTRY;
@@ -350,14 +331,8 @@ impl PagePool {
         let ps = self.page_size;
         assert_eq!(tokens.len(), ps, "only full pages are published");
         let mut st = self.lock();
-        assert!(
-            st.refcount[page as usize] > 0,
-            "publishing page {page} that nobody owns"
-        );
-        assert!(
-            st.meta[page as usize].is_none(),
-            "page {page} is already published"
-        );
+        assert!(st.refcount[page as usize] > 0, "publishing page {page} that nobody owns");
+        assert!(st.meta[page as usize].is_none(), "page {page} is already published");
         if let Some(&q) = st.index.get(&hash) {
             let m = st.meta[q as usize].expect("indexed pages carry metadata");
             if m.parent == parent && st.page_tokens(q, ps) == tokens {
@@ -374,11 +349,7 @@ impl PagePool {
         }
         let entry = st.next_entry;
         st.next_entry += 1;
-        st.meta[page as usize] = Some(CacheMeta {
-            hash,
-            entry,
-            parent,
-        });
+        st.meta[page as usize] = Some(CacheMeta { hash, entry, parent });
         st.tokens[page as usize * ps..(page as usize + 1) * ps].copy_from_slice(tokens);
         st.index.insert(hash, page);
         Publish::Published(entry)
@@ -443,10 +414,7 @@ impl PagePool {
             return Err("free list back pointer is wrong".into());
         }
         if count != st.num_free {
-            return Err(format!(
-                "free list holds {count} pages but counts {}",
-                st.num_free
-            ));
+            return Err(format!("free list holds {count} pages but counts {}", st.num_free));
         }
         for (p, (&rc, &free)) in st.refcount.iter().zip(&on_list).enumerate().skip(1) {
             if rc == 0 && !free {
@@ -461,10 +429,7 @@ impl PagePool {
                     return Err(format!("published page {p} is not indexed under its hash"));
                 }
                 if m.entry == ROOT_ENTRY || m.entry >= st.next_entry || m.parent >= m.entry {
-                    return Err(format!(
-                        "page {p}: entry {} with parent {} is not a valid publication",
-                        m.entry, m.parent
-                    ));
+                    return Err(format!("page {p}: entry {} with parent {} is not a valid publication", m.entry, m.parent));
                 }
             }
         }
@@ -532,10 +497,7 @@ impl PageList {
     /// Start an empty list with the cached pages `shared` (each gains an owner; a free one
     /// leaves the free list), then grow it to `n` pages. All or nothing.
     pub fn acquire_prefix(&mut self, shared: &[PageId], n: usize) -> bool {
-        assert!(
-            self.pages.is_empty(),
-            "a prefix is acquired into an empty page list"
-        );
+        assert!(self.pages.is_empty(), "a prefix is acquired into an empty page list");
         assert!(n >= shared.len());
         let mut st = self.pool.lock();
         let revived = shared.iter().filter(|&&p| st.is_free(p)).count();
@@ -543,10 +505,7 @@ impl PageList {
             return false;
         }
         for &p in shared {
-            debug_assert!(
-                st.meta[p as usize].is_some(),
-                "only published pages are shared"
-            );
+            debug_assert!(st.meta[p as usize].is_some(), "only published pages are shared");
             if st.is_free(p) {
                 st.unlink(p);
             }
@@ -596,10 +555,7 @@ mod tests {
         let mut b = pool.empty_list();
         assert!(pool.grow_to(&mut a, 2)); // pages 1, 2
         assert!(pool.grow_to(&mut b, 1)); // page 3
-        assert_eq!(
-            pool.publish(1, 11, ROOT_ENTRY, &[1, 2, 3, 4]),
-            Publish::Published(1)
-        );
+        assert_eq!(pool.publish(1, 11, ROOT_ENTRY, &[1, 2, 3, 4]), Publish::Published(1));
         drop(a);
         // Page 2 (nothing cached) is reused first; page 1 (cached) after the never-used 4, 5.
         assert_eq!(pool.free_pages(), vec![2, 4, 5, 1]);
@@ -622,10 +578,7 @@ mod tests {
         assert!(a.grow_to(3)); // 1, 2, 3
         let mut parent = ROOT_ENTRY;
         for (i, &p) in [1u32, 2, 3].iter().enumerate() {
-            let Publish::Published(e) = pool.publish(p, 100 + i as u64, parent, &[i as u32, 0])
-            else {
-                panic!()
-            };
+            let Publish::Published(e) = pool.publish(p, 100 + i as u64, parent, &[i as u32, 0]) else { panic!() };
             parent = e;
         }
         drop(a);
@@ -712,44 +665,25 @@ mod tests {
         let (a, ha) = publish_all(&pool, &[1, 2, 3, 4]);
         // Same hashes (first tokens 1 and 3) but different second tokens: a miss, not a hit.
         let other = [1, 9, 3, 4];
-        let hb = [
-            pool.page_hash(0, &other[..2]),
-            pool.page_hash(pool.page_hash(0, &other[..2]), &other[2..]),
-        ];
+        let hb = [pool.page_hash(0, &other[..2]), pool.page_hash(pool.page_hash(0, &other[..2]), &other[2..])];
         assert_eq!(hb.to_vec(), ha);
         assert!(pool.match_prefix(&hb, &other).is_empty());
         // Publishing the other content while `a` holds the slot: a conflict, nothing changes.
         let mut b = pool.empty_list();
         assert!(b.grow_to(1));
-        assert_eq!(
-            pool.publish(b.pages()[0], hb[0], ROOT_ENTRY, &other[..2]),
-            Publish::Conflict
-        );
+        assert_eq!(pool.publish(b.pages()[0], hb[0], ROOT_ENTRY, &other[..2]), Publish::Conflict);
         // Equal content: a duplicate of a's entry.
         let mut c = pool.empty_list();
         assert!(c.grow_to(1));
-        let Publish::Duplicate(e) = pool.publish(c.pages()[0], ha[0], ROOT_ENTRY, &[1, 2]) else {
-            panic!()
-        };
+        let Publish::Duplicate(e) = pool.publish(c.pages()[0], ha[0], ROOT_ENTRY, &[1, 2]) else { panic!() };
         assert_eq!(Some(e), pool.cache_meta(a.pages()[0]).map(|m| m.entry));
         // Once a's pages are free, the other content takes the slot over.
         let a0 = a.pages()[0];
         drop(a);
-        assert!(matches!(
-            pool.publish(b.pages()[0], hb[0], ROOT_ENTRY, &other[..2]),
-            Publish::Published(_)
-        ));
+        assert!(matches!(pool.publish(b.pages()[0], hb[0], ROOT_ENTRY, &other[..2]), Publish::Published(_)));
         assert_eq!(pool.cache_meta(a0), None);
-        assert_eq!(
-            pool.free_pages()[0],
-            a0,
-            "the displaced page is reused first"
-        );
-        assert_eq!(
-            pool.match_prefix(&hb, &other).len(),
-            1,
-            "a's second page has another parent"
-        );
+        assert_eq!(pool.free_pages()[0], a0, "the displaced page is reused first");
+        assert_eq!(pool.match_prefix(&hb, &other).len(), 1, "a's second page has another parent");
         pool.check_integrity().unwrap();
     }
 }

@@ -26,11 +26,7 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryKind {
     /// Rows are tokens `start .. start+len`; `sample` when the last row yields the first token.
-    Prefill {
-        start: usize,
-        len: usize,
-        sample: bool,
-    },
+    Prefill { start: usize, len: usize, sample: bool },
     /// Verify block of B rows at `committed ..`.
     Decode { committed: usize },
 }
@@ -103,11 +99,7 @@ impl PassArrays {
 /// one definition (the scheduler, the profile plan and, through the binding, the runner's
 /// graph buffers use it).
 pub fn draft_pass_rows(block_rows: usize, draft_block_rows: usize) -> usize {
-    if block_rows > 1 {
-        block_rows.max(draft_block_rows)
-    } else {
-        0
-    }
+    if block_rows > 1 { block_rows.max(draft_block_rows) } else { 0 }
 }
 
 /// The draft pass of a step: one block of `rows` (D) rows per decoding request.

@@ -27,13 +27,7 @@ pub fn profile_plan(
     state_slots: bool,
 ) -> CoreResult<StepPlan> {
     let (b, ps) = (block_rows, page_size);
-    if b == 0
-        || ps == 0
-        || max_num_seqs == 0
-        || num_tokens == 0
-        || max_model_len < b
-        || reserve_rows < b
-    {
+    if b == 0 || ps == 0 || max_num_seqs == 0 || num_tokens == 0 || max_model_len < b || reserve_rows < b {
         return Err(CoreError::InvalidConfig(format!(
             "profile_plan: need block_rows, page_size, max_num_seqs, num_tokens >= 1, max_model_len >= block_rows \
              and reserve_rows >= block_rows (got {b}, {ps}, {max_num_seqs}, {num_tokens}, {max_model_len}, {reserve_rows})"
@@ -51,11 +45,7 @@ pub fn profile_plan(
     let width = pages_per_seq(max_model_len, reserve_rows, ps);
     let mask = mask_token_id as i64;
     let slot = |i: usize| (ps + i % ps) as i64; // page 1, over and over
-    let mut plan = StepPlan {
-        block_rows: b,
-        num_decode: n_dec,
-        ..Default::default()
-    };
+    let mut plan = StepPlan { block_rows: b, num_decode: n_dec, ..Default::default() };
     plan.draft.rows = d;
     let t = &mut plan.target;
     t.max_pages = width;
@@ -71,10 +61,8 @@ pub fn profile_plan(
         t.seq_lens.push(max_model_len as i32);
         t.page_tables.extend(std::iter::repeat_n(0, width));
         let kind = if i < n_dec {
-            plan.sample_rows
-                .extend((q_start..q_start + b).map(|r| r as i64));
-            plan.verify_target_rows
-                .extend((q_start + 1..q_start + b).map(|r| r as i64));
+            plan.sample_rows.extend((q_start..q_start + b).map(|r| r as i64));
+            plan.verify_target_rows.extend((q_start + 1..q_start + b).map(|r| r as i64));
             if d > 0 {
                 let dp = &mut plan.draft;
                 let at = dp.input_ids.len();
@@ -88,28 +76,16 @@ pub fn profile_plan(
             EntryKind::Decode { committed: first }
         } else {
             plan.sample_rows.push((q_start + q - 1) as i64);
-            EntryKind::Prefill {
-                start: first,
-                len: q,
-                sample: true,
-            }
+            EntryKind::Prefill { start: first, len: q, sample: true }
         };
         let num_samples = plan.sample_rows.len() - sample_start;
         if state_slots {
             // Every request starts from no state; kept rows write slot 1 (page 1, as the KV).
             plan.state_read.push(-1);
             let keeps = |t: usize| matches!(kind, EntryKind::Decode { .. }) || t + 1 == q;
-            plan.state_write
-                .extend((0..q).map(|t| if keeps(t) { 1 } else { -1 }));
+            plan.state_write.extend((0..q).map(|t| if keeps(t) { 1 } else { -1 }));
         }
-        plan.entries.push(PlanEntry {
-            handle: i as u64,
-            kind,
-            q_start,
-            sample_start,
-            num_samples,
-            state_writes: Vec::new(),
-        });
+        plan.entries.push(PlanEntry { handle: i as u64, kind, q_start, sample_start, num_samples, state_writes: Vec::new() });
     }
     Ok(plan)
 }
@@ -128,12 +104,7 @@ mod tests {
         assert_eq!(p.draft.input_ids.len(), 3 * 8);
         assert_eq!(&p.draft.input_ids[..8], &[0, 9, 9, 9, 9, 9, 9, 9]);
         assert_eq!(p.draft.proposal_rows, vec![1, 2, 3, 9, 10, 11, 17, 18, 19]);
-        assert!(p
-            .target
-            .slot_mapping
-            .iter()
-            .chain(&p.draft.slot_mapping)
-            .all(|&s| (16..32).contains(&s)));
+        assert!(p.target.slot_mapping.iter().chain(&p.draft.slot_mapping).all(|&s| (16..32).contains(&s)));
         assert!(p.target.page_tables.iter().all(|&x| x == 0));
         assert_eq!(p.target.page_tables.len(), 4 * pages_per_seq(32, 8, 16));
     }
@@ -152,13 +123,7 @@ mod tests {
         let p = profile_plan(40, 4, 4, 8, 8, 32, 16, 9, true).unwrap();
         assert_eq!(p.state_read, vec![-1; 4]);
         assert_eq!(p.state_write.len(), 40);
-        assert!(
-            p.state_write[..12].iter().all(|&s| s == 1),
-            "every verify row keeps its state"
-        );
-        assert!(
-            p.state_write[12..39].iter().all(|&s| s == -1) && p.state_write[39] == 1,
-            "a chunk keeps its last"
-        );
+        assert!(p.state_write[..12].iter().all(|&s| s == 1), "every verify row keeps its state");
+        assert!(p.state_write[12..39].iter().all(|&s| s == -1) && p.state_write[39] == 1, "a chunk keeps its last");
     }
 }

@@ -8,59 +8,22 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use crate::draft_len::{draft_len_for, DraftLenPolicy, StepCosts};
 use crate::error::{CoreError, Param};
 use crate::plan::{StepPlan, StepTicket};
 use crate::request::FinishReason;
-use crate::scheduler::{
-    pages_per_seq, state_slots_per_seq, MixedStepLimit, Scheduler, SchedulerConfig,
-};
+use crate::draft_len::{draft_len_for, DraftLenPolicy, StepCosts};
+use crate::scheduler::{pages_per_seq, state_slots_per_seq, MixedStepLimit, Scheduler, SchedulerConfig};
 
 mod exc {
     use pyo3::create_exception;
     use pyo3::exceptions::PyException;
-    create_exception!(
-        _core,
-        CoreError,
-        PyException,
-        "Base class of every dflash_engine._core error."
-    );
-    create_exception!(
-        _core,
-        InvalidConfigError,
-        CoreError,
-        "Scheduler configuration is invalid."
-    );
-    create_exception!(
-        _core,
-        DuplicateRequestError,
-        CoreError,
-        "The request id is already live."
-    );
-    create_exception!(
-        _core,
-        UnknownRequestError,
-        CoreError,
-        "No live request has this handle."
-    );
-    create_exception!(
-        _core,
-        PlanOutstandingError,
-        CoreError,
-        "The previous plan is not committed or cancelled."
-    );
-    create_exception!(
-        _core,
-        StalePlanError,
-        CoreError,
-        "The plan's ticket is spent or belongs to another scheduler."
-    );
-    create_exception!(
-        _core,
-        InvalidCommitError,
-        CoreError,
-        "Step results do not fit the plan."
-    );
+    create_exception!(_core, CoreError, PyException, "Base class of every dflash_engine._core error.");
+    create_exception!(_core, InvalidConfigError, CoreError, "Scheduler configuration is invalid.");
+    create_exception!(_core, DuplicateRequestError, CoreError, "The request id is already live.");
+    create_exception!(_core, UnknownRequestError, CoreError, "No live request has this handle.");
+    create_exception!(_core, PlanOutstandingError, CoreError, "The previous plan is not committed or cancelled.");
+    create_exception!(_core, StalePlanError, CoreError, "The plan's ticket is spent or belongs to another scheduler.");
+    create_exception!(_core, InvalidCommitError, CoreError, "Step results do not fit the plan.");
 }
 
 /// `RequestRejectedError(CoreError, ValueError)`: bad input is a ValueError to callers that
@@ -70,25 +33,12 @@ static REQUEST_REJECTED: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 fn request_rejected_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     REQUEST_REJECTED
         .get_or_try_init(py, || {
-            let bases = PyTuple::new(
-                py,
-                [
-                    py.get_type::<exc::CoreError>().into_any(),
-                    py.get_type::<pyo3::exceptions::PyValueError>().into_any(),
-                ],
-            )?;
+            let bases = PyTuple::new(py, [py.get_type::<exc::CoreError>().into_any(), py.get_type::<pyo3::exceptions::PyValueError>().into_any()])?;
             let ns = PyDict::new(py);
-            ns.set_item(
-                "__doc__",
-                "The request can never be served; `param` names the offending parameter.",
-            )?;
+            ns.set_item("__doc__", "The request can never be served; `param` names the offending parameter.")?;
             ns.set_item("__module__", "dflash_engine._core")?;
             ns.set_item("param", py.None())?;
-            let ty = py.import("builtins")?.getattr("type")?.call1((
-                "RequestRejectedError",
-                bases,
-                ns,
-            ))?;
+            let ty = py.import("builtins")?.getattr("type")?.call1(("RequestRejectedError", bases, ns))?;
             Ok(ty.downcast_into::<PyType>()?.unbind())
         })
         .map(|t| t.bind(py))
@@ -119,72 +69,47 @@ fn to_py(e: CoreError) -> PyErr {
 /// Non-negative integers, a negative one a `ValueError` naming `what`.
 fn counts_vec(v: Vec<i64>, what: &str) -> PyResult<Vec<usize>> {
     v.into_iter()
-        .map(|x| {
-            usize::try_from(x).map_err(|_| {
-                pyo3::exceptions::PyValueError::new_err(format!("{what}: {x} is negative"))
-            })
-        })
+        .map(|x| usize::try_from(x).map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("{what}: {x} is negative"))))
         .collect()
 }
 
 /// The draft-length policy by name. A non-empty `schedule` with "fixed" (the default) is the
 /// Schedule policy (the keyword that predates the policy); "adaptive" with no candidates
 /// considers every k in 0..=k_max.
-fn parse_policy(
-    name: &str,
-    schedule: Vec<(usize, usize)>,
-    candidates: Vec<usize>,
-    k_max: usize,
-) -> PyResult<DraftLenPolicy> {
+fn parse_policy(name: &str, schedule: Vec<(usize, usize)>, candidates: Vec<usize>, k_max: usize) -> PyResult<DraftLenPolicy> {
     let err = |m: String| Err(pyo3::exceptions::PyValueError::new_err(m));
     match name {
-        "fixed" | "schedule" if !candidates.is_empty() => err(format!(
-            "draft_len_candidates need draft_len_policy='adaptive', not {name:?}"
-        )),
-        "fixed" if schedule.is_empty() => Ok(DraftLenPolicy::Fixed),
-        "schedule" if schedule.is_empty() => {
-            err("draft_len_policy='schedule' needs a non-empty draft_len_schedule".into())
+        "fixed" | "schedule" if !candidates.is_empty() => {
+            err(format!("draft_len_candidates need draft_len_policy='adaptive', not {name:?}"))
         }
+        "fixed" if schedule.is_empty() => Ok(DraftLenPolicy::Fixed),
+        "schedule" if schedule.is_empty() => err("draft_len_policy='schedule' needs a non-empty draft_len_schedule".into()),
         "fixed" | "schedule" => Ok(DraftLenPolicy::Schedule(schedule)),
         "adaptive" if !schedule.is_empty() => {
             err("give either a draft_len_schedule or draft_len_policy='adaptive', not both".into())
         }
-        "adaptive" if candidates.is_empty() => Ok(DraftLenPolicy::Adaptive {
-            candidates: (0..=k_max).collect(),
-        }),
+        "adaptive" if candidates.is_empty() => Ok(DraftLenPolicy::Adaptive { candidates: (0..=k_max).collect() }),
         "adaptive" => Ok(DraftLenPolicy::Adaptive { candidates }),
-        other => err(format!(
-            "unknown draft_len_policy {other:?} (fixed, schedule, adaptive)"
-        )),
+        other => err(format!("unknown draft_len_policy {other:?} (fixed, schedule, adaptive)")),
     }
 }
 
 fn parse_reason(reason: &str) -> PyResult<FinishReason> {
     FinishReason::from_name(reason).ok_or_else(|| {
-        pyo3::exceptions::PyValueError::new_err(format!(
-            "unknown finish reason {reason:?} (stop, length, abort, error)"
-        ))
+        pyo3::exceptions::PyValueError::new_err(format!("unknown finish reason {reason:?} (stop, length, abort, error)"))
     })
 }
 
 /// Accepts an int64 numpy array (fast path) or any sequence of ints; a value outside u32
 /// is reported through `err`.
-fn u32_vec(
-    obj: &Bound<'_, PyAny>,
-    what: &str,
-    err: impl Fn(String) -> PyErr,
-) -> PyResult<Vec<u32>> {
-    let conv = |v: i64| {
-        u32::try_from(v).map_err(|_| err(format!("{what}: value {v} out of range [0, 2^32)")))
-    };
+fn u32_vec(obj: &Bound<'_, PyAny>, what: &str, err: impl Fn(String) -> PyErr) -> PyResult<Vec<u32>> {
+    let conv = |v: i64| u32::try_from(v).map_err(|_| err(format!("{what}: value {v} out of range [0, 2^32)")));
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return a.as_slice()?.iter().map(|&v| conv(v)).collect();
     }
     match obj.extract::<Vec<i64>>() {
         Ok(v) => v.into_iter().map(conv).collect(),
-        Err(_) => Err(err(format!(
-            "{what} must be a sequence of integers in [0, 2^32)"
-        ))),
+        Err(_) => Err(err(format!("{what} must be a sequence of integers in [0, 2^32)"))),
     }
 }
 
@@ -199,8 +124,7 @@ fn read_only<T: numpy::Element, D: numpy::ndarray::Dimension>(a: &Bound<'_, nump
     // SAFETY: `a` was created here and no reference into its data has been handed out; the
     // GIL is held (the Bound), so nothing else reads or writes its flags meanwhile.
     unsafe {
-        (*numpy::PyUntypedArrayMethods::as_array_ptr(a)).flags &=
-            !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
+        (*numpy::PyUntypedArrayMethods::as_array_ptr(a)).flags &= !numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
     }
 }
 
@@ -218,9 +142,7 @@ fn prefix<T: numpy::Element, D: numpy::ndarray::Dimension>(
     py: Python<'_>,
     n: usize,
 ) -> PyResult<Py<numpy::PyArray<T, D>>> {
-    let view = arr
-        .bind(py)
-        .get_item(pyo3::types::PySlice::new(py, 0, n as isize, 1))?;
+    let view = arr.bind(py).get_item(pyo3::types::PySlice::new(py, 0, n as isize, 1))?;
     Ok(view.downcast_into::<numpy::PyArray<T, D>>()?.unbind())
 }
 
@@ -235,10 +157,7 @@ struct Lazy<T: numpy::Element> {
 
 impl<T: numpy::Element + Copy> Lazy<T> {
     fn new(data: Vec<T>) -> Self {
-        Lazy {
-            data,
-            array: GILOnceCell::new(),
-        }
+        Lazy { data, array: GILOnceCell::new() }
     }
 
     fn get(&self, py: Python<'_>) -> PyResult<Py<PyArray1<T>>> {
@@ -303,15 +222,12 @@ impl PyStepPlan {
         let nd = plan.num_decode;
         let handles = plan.entries.iter().map(|e| e.handle).collect();
         let num_drafts = plan.entries.iter().map(|e| e.num_drafts() as i64).collect();
-        let mut sample_start: Vec<i64> =
-            plan.entries.iter().map(|e| e.sample_start as i64).collect();
+        let mut sample_start: Vec<i64> = plan.entries.iter().map(|e| e.sample_start as i64).collect();
         sample_start.push(plan.num_sample_rows() as i64);
         let t = std::mem::take(&mut plan.target);
         let dp = std::mem::take(&mut plan.draft);
         let d = dp.rows;
-        let draft_qsl: Vec<i32> = (0..=if d > 0 { nd } else { 0 })
-            .map(|i| (i * d) as i32)
-            .collect();
+        let draft_qsl: Vec<i32> = (0..=if d > 0 { nd } else { 0 }).map(|i| (i * d) as i32).collect();
         Ok(PyStepPlan {
             ticket: Mutex::new(ticket),
             step_id: plan.step_id,
@@ -344,16 +260,9 @@ impl PyStepPlan {
 
     /// The ticket, once; a second taker gets `StalePlanError`.
     fn take_ticket(&self) -> PyResult<StepTicket> {
-        self.ticket
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| {
-                exc::StalePlanError::new_err(format!(
-                    "the ticket of step {} is already spent",
-                    self.step_id
-                ))
-            })
+        self.ticket.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or_else(|| {
+            exc::StalePlanError::new_err(format!("the ticket of step {} is already spent", self.step_id))
+        })
     }
 
     fn return_ticket(&self, ticket: StepTicket) {
@@ -366,14 +275,9 @@ impl PyStepPlan {
     }
 
     fn tables_2d(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
-        let a = self.page_tables_2d.get_or_try_init(py, || {
-            arr2(
-                py,
-                self.page_tables.data.clone(),
-                self.num_entries(),
-                self.max_pages,
-            )
-        })?;
+        let a = self
+            .page_tables_2d
+            .get_or_try_init(py, || arr2(py, self.page_tables.data.clone(), self.num_entries(), self.max_pages))?;
         Ok(a.clone_ref(py))
     }
 
@@ -435,12 +339,7 @@ impl PyStepPlan {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "StepPlan(step_id={}, requests={}, block_rows={})",
-            self.step_id,
-            self.num_entries(),
-            self.block_rows
-        )
+        format!("StepPlan(step_id={}, requests={}, block_rows={})", self.step_id, self.num_entries(), self.block_rows)
     }
 
     #[getter]
@@ -513,11 +412,7 @@ impl PyStepPlan {
     /// The first `num_decode` rows of `page_tables` (a view; none without a draft pass).
     #[getter]
     fn draft_page_tables(&self, py: Python<'_>) -> PyResult<Py<PyArray2<i32>>> {
-        let rows = if self.draft_rows > 0 {
-            self.num_decode
-        } else {
-            0
-        };
+        let rows = if self.draft_rows > 0 { self.num_decode } else { 0 };
         prefix(&self.tables_2d(py)?, py, rows)
     }
     /// Rows 1..B-1 of every draft block: the proposals.
@@ -559,16 +454,12 @@ impl PyStepPlan {
         let mut srcs = Vec::with_capacity(fields.len());
         for (name, _, _, _) in &fields {
             srcs.push(
-                self.array_named(name).ok_or_else(|| {
-                    err(format!("StepPlan has no one-dimensional array {name:?}"))
-                })?,
+                self.array_named(name).ok_or_else(|| err(format!("StepPlan has no one-dimensional array {name:?}")))?,
             );
         }
         // SAFETY: reads the flags of a live array (the Bound), GIL held.
         let writeable = unsafe {
-            (*numpy::PyUntypedArrayMethods::as_array_ptr(dst)).flags
-                & numpy::npyffi::flags::NPY_ARRAY_WRITEABLE
-                != 0
+            (*numpy::PyUntypedArrayMethods::as_array_ptr(dst)).flags & numpy::npyffi::flags::NPY_ARRAY_WRITEABLE != 0
         };
         if !writeable {
             return Err(err("stage_into: dst is not writeable".into()));
@@ -577,8 +468,7 @@ impl PyStepPlan {
         // SAFETY: `dst` is checked writeable and contiguous, and the GIL (held throughout)
         // keeps Python code from touching it meanwhile. This skips the numpy crate's dynamic
         // borrow tracking.
-        let d = unsafe { dst.as_slice_mut() }
-            .map_err(|e| err(format!("stage_into: dst is not contiguous: {e}")))?;
+        let d = unsafe { dst.as_slice_mut() }.map_err(|e| err(format!("stage_into: dst is not contiguous: {e}")))?;
         for ((name, at, total, pad), src) in fields.iter().zip(&srcs) {
             let len = src.len();
             if len > *total || at + total > d.len() || (len == 0 && pad.is_none() && *total > 0) {
@@ -601,10 +491,7 @@ impl PyStepPlan {
             let len = src.len();
             match src {
                 PlanSlice::I64(a) => out[..len].copy_from_slice(a),
-                PlanSlice::I32(a) => out[..len]
-                    .iter_mut()
-                    .zip(a.iter())
-                    .for_each(|(o, &v)| *o = v as i64),
+                PlanSlice::I32(a) => out[..len].iter_mut().zip(a.iter()).for_each(|(o, &v)| *o = v as i64),
             }
             let fill = match pad {
                 Some(v) => *v,
@@ -618,10 +505,7 @@ impl PyStepPlan {
             for i in 0..r.max(rows_before) {
                 let row = &mut d[at + i * width..at + (i + 1) * width];
                 if i < r {
-                    row[..w]
-                        .iter_mut()
-                        .zip(&t[i * w..(i + 1) * w])
-                        .for_each(|(o, &v)| *o = v as i64);
+                    row[..w].iter_mut().zip(&t[i * w..(i + 1) * w]).for_each(|(o, &v)| *o = v as i64);
                     if i < rows_before && cols_before > w {
                         row[w..cols_before].fill(0);
                     }
@@ -684,20 +568,9 @@ impl PyCommitResult {
 
     /// `[(handle, new_token_ids, finish_reason or None)]`
     fn items(&self) -> Vec<CommitItem> {
-        let (h, o, t, c) = (
-            &self.handles.data,
-            &self.offsets.data,
-            &self.new_tokens.data,
-            &self.finish_codes.data,
-        );
+        let (h, o, t, c) = (&self.handles.data, &self.offsets.data, &self.new_tokens.data, &self.finish_codes.data);
         (0..h.len())
-            .map(|i| {
-                (
-                    h[i],
-                    t[o[i] as usize..o[i + 1] as usize].to_vec(),
-                    FinishReason::NAMES[c[i] as usize],
-                )
-            })
+            .map(|i| (h[i], t[o[i] as usize..o[i + 1] as usize].to_vec(), FinishReason::NAMES[c[i] as usize]))
             .collect()
     }
 }
@@ -709,9 +582,7 @@ pub struct PyScheduler {
 
 impl PyScheduler {
     fn live(&self, handle: u64) -> PyResult<&crate::request::Request> {
-        self.inner
-            .request(handle)
-            .ok_or_else(|| to_py(CoreError::UnknownRequest(format!("handle {handle}"))))
+        self.inner.request(handle).ok_or_else(|| to_py(CoreError::UnknownRequest(format!("handle {handle}"))))
     }
 }
 
@@ -739,12 +610,7 @@ impl PyScheduler {
         state_slots: bool,
     ) -> PyResult<Self> {
         let candidates = counts_vec(draft_len_candidates, "draft_len_candidates")?;
-        let draft_len_policy = parse_policy(
-            draft_len_policy,
-            draft_len_schedule,
-            candidates,
-            num_speculative_tokens,
-        )?;
+        let draft_len_policy = parse_policy(draft_len_policy, draft_len_schedule, candidates, num_speculative_tokens)?;
         let cfg = SchedulerConfig {
             num_pages,
             page_size,
@@ -758,9 +624,7 @@ impl PyScheduler {
             draft_block_rows,
             state_slots,
         };
-        Ok(PyScheduler {
-            inner: Scheduler::new(cfg).map_err(to_py)?,
-        })
+        Ok(PyScheduler { inner: Scheduler::new(cfg).map_err(to_py)? })
     }
 
     /// Queue a request; returns its handle. Bad input raises `RequestRejectedError`
@@ -774,26 +638,18 @@ impl PyScheduler {
         max_tokens: &Bound<'_, PyAny>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
-        let reject = |param: Param| {
-            move |m: String| rejected(py, param, format!("request {request_id:?} rejected: {m}"))
-        };
+        let reject = |param: Param| move |m: String| rejected(py, param, format!("request {request_id:?} rejected: {m}"));
         let prompt = u32_vec(prompt_token_ids, "prompt_token_ids", reject(Param::Prompt))?;
         let max_tokens: usize = max_tokens
             .extract::<u64>()
             .ok()
             .and_then(|v| usize::try_from(v).ok())
-            .ok_or_else(|| {
-                reject(Param::MaxTokens)(format!(
-                    "max_tokens must be a non-negative integer, got {max_tokens}"
-                ))
-            })?;
+            .ok_or_else(|| reject(Param::MaxTokens)(format!("max_tokens must be a non-negative integer, got {max_tokens}")))?;
         let stops = match stop_token_ids {
             Some(s) => u32_vec(s, "stop_token_ids", reject(Param::StopTokenIds))?,
             None => Vec::new(),
         };
-        self.inner
-            .add_request(request_id, prompt, max_tokens, stops)
-            .map_err(to_py)
+        self.inner.add_request(request_id, prompt, max_tokens, stops).map_err(to_py)
     }
 
     /// The one request-id registry: handle of a live request id.
@@ -802,15 +658,11 @@ impl PyScheduler {
     }
 
     fn abort(&mut self, handle: u64) -> PyResult<()> {
-        self.inner
-            .finish(handle, FinishReason::Abort)
-            .map_err(to_py)
+        self.inner.finish(handle, FinishReason::Abort).map_err(to_py)
     }
 
     fn finish(&mut self, handle: u64, reason: &str) -> PyResult<()> {
-        self.inner
-            .finish(handle, parse_reason(reason)?)
-            .map_err(to_py)
+        self.inner.finish(handle, parse_reason(reason)?).map_err(to_py)
     }
 
     /// The next step's plan, or None when there is nothing to run (nothing to commit then).
@@ -873,10 +725,7 @@ impl PyScheduler {
     /// (committed state slot or -1, owned state slots) of a live request (hybrid targets).
     fn state_slots(&self, handle: u64) -> PyResult<(i64, Vec<u32>)> {
         let r = self.live(handle)?;
-        Ok((
-            r.committed_slot().map_or(-1, |p| p as i64),
-            r.state_slots().to_vec(),
-        ))
+        Ok((r.committed_slot().map_or(-1, |p| p as i64), r.state_slots().to_vec()))
     }
 
     /// Prompt tokens a live request took from the prefix cache at its first admission.
@@ -886,19 +735,9 @@ impl PyScheduler {
 
     /// Measured seconds of a decode step: `seconds[i][j]` for a batch padded to `buckets[i]`
     /// drafting `ks[j]` (0: a plain decode step). Bad shapes or costs raise `ValueError`.
-    fn set_step_costs(
-        &mut self,
-        buckets: Vec<i64>,
-        ks: Vec<i64>,
-        seconds: Vec<Vec<f64>>,
-    ) -> PyResult<()> {
+    fn set_step_costs(&mut self, buckets: Vec<i64>, ks: Vec<i64>, seconds: Vec<Vec<f64>>) -> PyResult<()> {
         let value_error = |e: CoreError| pyo3::exceptions::PyValueError::new_err(e.to_string());
-        let costs = StepCosts::new(
-            counts_vec(buckets, "buckets")?,
-            counts_vec(ks, "ks")?,
-            seconds,
-        )
-        .map_err(value_error)?;
+        let costs = StepCosts::new(counts_vec(buckets, "buckets")?, counts_vec(ks, "ks")?, seconds).map_err(value_error)?;
         self.inner.set_step_costs(costs).map_err(value_error)
     }
 
@@ -906,16 +745,12 @@ impl PyScheduler {
     /// `requests` chunks (the runner's mixed-step graphs); 0 and 0 lift the limit.
     fn set_mixed_step_limit(&mut self, tokens: usize, requests: usize) -> PyResult<()> {
         let limit = (tokens > 0 || requests > 0).then_some(MixedStepLimit { tokens, requests });
-        self.inner
-            .set_mixed_step_limit(limit)
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+        self.inner.set_mixed_step_limit(limit).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
     }
 
     /// (tokens, requests) of the mixed-step limit; (0, 0) when there is none.
     fn mixed_step_limit(&self) -> (usize, usize) {
-        self.inner
-            .mixed_step_limit()
-            .map_or((0, 0), |l| (l.tokens, l.requests))
+        self.inner.mixed_step_limit().map_or((0, 0), |l| (l.tokens, l.requests))
     }
 
     /// `{k: planned steps with decoding requests that drafted k}`, every k the policy can choose.
@@ -927,9 +762,7 @@ impl PyScheduler {
     /// (draft_len.rs, "Calibration"; 1 before any; what the adaptive policy scales by).
     fn acceptance_calibration(&self) -> Vec<f64> {
         let dl = self.inner.draft_len();
-        (1..=self.inner.config().num_speculative_tokens)
-            .map(|j| dl.calibration(j))
-            .collect()
+        (1..=self.inner.config().num_speculative_tokens).map(|j| dl.calibration(j)).collect()
     }
 
     /// Global acceptance estimates p_1..p_K: P(draft j accepted | drafts 1..j-1 were).
@@ -943,9 +776,7 @@ impl PyScheduler {
     }
 
     fn check_invariants(&self) -> PyResult<()> {
-        self.inner
-            .check_invariants()
-            .map_err(|m| exc::CoreError::new_err(format!("invariant violated: {m}")))
+        self.inner.check_invariants().map_err(|m| exc::CoreError::new_err(format!("invariant violated: {m}")))
     }
 
     #[getter]
@@ -1031,15 +862,9 @@ fn py_draft_len_for(schedule: Vec<(usize, usize)>, k_max: usize, num_decoding: u
 /// `reserve_rows`: rows a decode step writes from `committed`, max(B, D).
 #[pyfunction]
 #[pyo3(name = "pages_per_seq")]
-fn py_pages_per_seq(
-    max_model_len: usize,
-    reserve_rows: usize,
-    page_size: usize,
-) -> PyResult<usize> {
+fn py_pages_per_seq(max_model_len: usize, reserve_rows: usize, page_size: usize) -> PyResult<usize> {
     if page_size == 0 || reserve_rows == 0 {
-        return Err(pyo3::exceptions::PyValueError::new_err(
-            "page_size and reserve_rows must be >= 1",
-        ));
+        return Err(pyo3::exceptions::PyValueError::new_err("page_size and reserve_rows must be >= 1"));
     }
     Ok(pages_per_seq(max_model_len, reserve_rows, page_size))
 }
@@ -1079,14 +904,7 @@ fn py_profile_plan(
     state_slots: bool,
 ) -> PyResult<PyStepPlan> {
     let plan = crate::profile::profile_plan(
-        num_tokens,
-        max_num_seqs,
-        block_rows,
-        draft_block_rows,
-        reserve_rows,
-        max_model_len,
-        page_size,
-        mask_token_id,
+        num_tokens, max_num_seqs, block_rows, draft_block_rows, reserve_rows, max_model_len, page_size, mask_token_id,
         state_slots,
     )
     .map_err(to_py)?;
@@ -1167,13 +985,11 @@ fn py_stage_sampling(
     // Check all first (a refused field must not leave the others half-written): dry runs.
     for (dst, values, pad) in ints.iter() {
         let mut probe = vec![*pad; dst.as_array().len()];
-        crate::staging::stage_sampling(&mut probe, values.as_slice()?, *pad, ss, mixed)
-            .map_err(value_error)?;
+        crate::staging::stage_sampling(&mut probe, values.as_slice()?, *pad, ss, mixed).map_err(value_error)?;
     }
     for (dst, values, pad) in floats.iter() {
         let mut probe = vec![*pad; dst.as_array().len()];
-        crate::staging::stage_sampling(&mut probe, values.as_slice()?, *pad, ss, mixed)
-            .map_err(value_error)?;
+        crate::staging::stage_sampling(&mut probe, values.as_slice()?, *pad, ss, mixed).map_err(value_error)?;
     }
     for (dst, values, pad) in ints.iter_mut() {
         crate::staging::stage_sampling(dst.as_slice_mut()?, values.as_slice()?, *pad, ss, mixed)
@@ -1193,28 +1009,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStepPlan>()?;
     m.add_class::<PyCommitResult>()?;
     m.add("CoreError", py.get_type::<exc::CoreError>())?;
-    m.add(
-        "InvalidConfigError",
-        py.get_type::<exc::InvalidConfigError>(),
-    )?;
+    m.add("InvalidConfigError", py.get_type::<exc::InvalidConfigError>())?;
     m.add("RequestRejectedError", request_rejected_type(py)?)?;
-    m.add(
-        "DuplicateRequestError",
-        py.get_type::<exc::DuplicateRequestError>(),
-    )?;
-    m.add(
-        "UnknownRequestError",
-        py.get_type::<exc::UnknownRequestError>(),
-    )?;
-    m.add(
-        "PlanOutstandingError",
-        py.get_type::<exc::PlanOutstandingError>(),
-    )?;
+    m.add("DuplicateRequestError", py.get_type::<exc::DuplicateRequestError>())?;
+    m.add("UnknownRequestError", py.get_type::<exc::UnknownRequestError>())?;
+    m.add("PlanOutstandingError", py.get_type::<exc::PlanOutstandingError>())?;
     m.add("StalePlanError", py.get_type::<exc::StalePlanError>())?;
-    m.add(
-        "InvalidCommitError",
-        py.get_type::<exc::InvalidCommitError>(),
-    )?;
+    m.add("InvalidCommitError", py.get_type::<exc::InvalidCommitError>())?;
     m.add("NULL_PAGE", crate::page_pool::NULL_PAGE)?;
     m.add("FINISH_REASONS", FinishReason::NAMES.to_vec())?;
     m.add_function(wrap_pyfunction!(py_pages_per_seq, m)?)?;

@@ -49,21 +49,10 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
-    pub const ALL: [FinishReason; 4] = [
-        FinishReason::Stop,
-        FinishReason::Length,
-        FinishReason::Abort,
-        FinishReason::Error,
-    ];
+    pub const ALL: [FinishReason; 4] = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Error];
 
     /// Names by code (`code()` indexes this; 0 = still running).
-    pub const NAMES: [Option<&'static str>; 5] = [
-        None,
-        Some("stop"),
-        Some("length"),
-        Some("abort"),
-        Some("error"),
-    ];
+    pub const NAMES: [Option<&'static str>; 5] = [None, Some("stop"), Some("length"), Some("abort"), Some("error")];
 
     pub fn code(self) -> u8 {
         self as u8
@@ -86,9 +75,7 @@ impl FinishReason {
 pub enum Phase {
     Waiting,
     /// `computed` tokens have KV; the target of prefill is `Request::prefill_target()`.
-    Prefilling {
-        computed: usize,
-    },
+    Prefilling { computed: usize },
     /// `tokens.len() - 1` tokens have KV; the last token is the bonus, not yet in any KV.
     Decoding,
     /// Evicted by recompute: everything it held is freed; it will prefill its known tokens again.
@@ -147,13 +134,7 @@ pub struct Request {
 }
 
 impl Request {
-    pub(crate) fn new(
-        id: &str,
-        prompt: &[u32],
-        max_tokens: usize,
-        stop_token_ids: Vec<u32>,
-        pages: PageList,
-    ) -> Self {
+    pub(crate) fn new(id: &str, prompt: &[u32], max_tokens: usize, stop_token_ids: Vec<u32>, pages: PageList) -> Self {
         let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
         tokens.extend_from_slice(prompt);
         let state = pages.pool().empty_list();
@@ -187,32 +168,15 @@ impl Request {
     /// The first `n` owned slots other than the committed one: where a step writes the
     /// states it keeps (row t of a verify block -> slot t; a prefill chunk's last row -> 0).
     pub(crate) fn state_writes(&self, n: usize) -> Vec<PageId> {
-        let w: Vec<PageId> = self
-            .state
-            .pages()
-            .iter()
-            .copied()
-            .filter(|&p| Some(p) != self.committed_slot)
-            .take(n)
-            .collect();
-        assert_eq!(
-            w.len(),
-            n,
-            "request {}: {} state slots cannot take {n} writes",
-            self.id,
-            self.state.len()
-        );
+        let w: Vec<PageId> = self.state.pages().iter().copied().filter(|&p| Some(p) != self.committed_slot).take(n).collect();
+        assert_eq!(w.len(), n, "request {}: {} state slots cannot take {n} writes", self.id, self.state.len());
         w
     }
 
     /// A step's kept row wrote `slot` (one of `state_writes`): its state is now the
     /// committed one (an index update; the previous committed slot becomes a spare).
     pub(crate) fn commit_state(&mut self, slot: PageId) {
-        assert!(
-            self.state.pages().contains(&slot),
-            "request {}: committing state slot {slot} it does not own",
-            self.id
-        );
+        assert!(self.state.pages().contains(&slot), "request {}: committing state slot {slot} it does not own", self.id);
         self.committed_slot = Some(slot);
     }
 
@@ -293,10 +257,7 @@ impl Request {
         while self.page_hashes.len() < n {
             let j = self.page_hashes.len();
             let parent = self.page_hashes.last().copied().unwrap_or(0);
-            let h = self
-                .pages
-                .pool()
-                .page_hash(parent, &self.tokens[j * ps..(j + 1) * ps]);
+            let h = self.pages.pool().page_hash(parent, &self.tokens[j * ps..(j + 1) * ps]);
             self.page_hashes.push(h);
         }
     }
@@ -306,17 +267,11 @@ impl Request {
     /// token is always computed; when the target ends on a page boundary, its last page is
     /// recomputed). Changes nothing but the memoised hashes.
     pub(crate) fn cache_lookup(&mut self) -> Vec<(PageId, EntryId)> {
-        assert!(
-            matches!(self.phase, Phase::Waiting | Phase::Preempted),
-            "lookup from {}",
-            self.phase.name()
-        );
+        assert!(matches!(self.phase, Phase::Waiting | Phase::Preempted), "lookup from {}", self.phase.name());
         let (target, _) = self.prefill_target();
         let max_pages = (target - 1) / self.pages.pool().page_size();
         self.hash_pages(max_pages);
-        self.pages
-            .pool()
-            .match_prefix(&self.page_hashes[..max_pages], &self.tokens)
+        self.pages.pool().match_prefix(&self.page_hashes[..max_pages], &self.tokens)
     }
 
     /// Waiting | Preempted -> Prefilling{computed: hits * page_size}: share the cache hits
@@ -324,19 +279,9 @@ impl Request {
     /// targets: no cache hits, since a cached prefix carries no state). All or nothing: false
     /// if the pool is short, and then nothing changed.
     pub(crate) fn admit(&mut self, hits: &[(PageId, EntryId)], n: usize, slots: usize) -> bool {
-        assert!(
-            matches!(self.phase, Phase::Waiting | Phase::Preempted),
-            "admit from {}",
-            self.phase.name()
-        );
-        assert!(
-            slots == 0 || hits.is_empty(),
-            "a request with state slots cannot start from cached pages"
-        );
-        assert!(
-            self.state.is_empty() && self.committed_slot.is_none(),
-            "a queued request holds no state"
-        );
+        assert!(matches!(self.phase, Phase::Waiting | Phase::Preempted), "admit from {}", self.phase.name());
+        assert!(slots == 0 || hits.is_empty(), "a request with state slots cannot start from cached pages");
+        assert!(self.state.is_empty() && self.committed_slot.is_none(), "a queued request holds no state");
         if slots > 0 && n + slots > self.pages.pool().num_free() {
             return false;
         }
@@ -347,10 +292,7 @@ impl Request {
         let taken = self.state.grow_to(slots);
         assert!(taken, "checked above");
         let computed = hits.len() * self.pages.pool().page_size();
-        assert!(
-            computed < self.prefill_target().0,
-            "a cache hit must leave a token to compute"
-        );
+        assert!(computed < self.prefill_target().0, "a cache hit must leave a token to compute");
         self.frozen = hits.iter().map(|h| h.1).collect();
         self.num_cached_tokens.get_or_insert(computed);
         self.phase = Phase::Prefilling { computed };
@@ -369,12 +311,7 @@ impl Request {
         for j in self.frozen.len()..full {
             let parent = self.frozen.last().copied().unwrap_or(ROOT_ENTRY);
             let toks = &self.tokens[j * ps..(j + 1) * ps];
-            match self.pages.pool().publish(
-                self.pages.pages()[j],
-                self.page_hashes[j],
-                parent,
-                toks,
-            ) {
+            match self.pages.pool().publish(self.pages.pages()[j], self.page_hashes[j], parent, toks) {
                 Publish::Published(e) | Publish::Duplicate(e) => self.frozen.push(e),
                 Publish::Conflict => {
                     self.publish_stopped = true;
@@ -387,11 +324,7 @@ impl Request {
     /// Prefilling | Decoding -> Preempted; every page goes back to the pool (published ones
     /// stay cached on the free list).
     pub(crate) fn preempt(&mut self) {
-        assert!(
-            self.phase.is_running(),
-            "preempt from {}",
-            self.phase.name()
-        );
+        assert!(self.phase.is_running(), "preempt from {}", self.phase.name());
         self.phase = Phase::Preempted;
         self.release_pages();
     }
@@ -413,36 +346,18 @@ impl Request {
 
     /// A prefill chunk of `len` rows from `start` ran. On the last chunk the request starts
     /// decoding: with the sampled first token, or (resumed) with its known bonus token.
-    pub(crate) fn finish_prefill_chunk(
-        &mut self,
-        start: usize,
-        len: usize,
-        sampled: Option<u32>,
-    ) -> Applied {
-        assert_eq!(
-            self.phase,
-            Phase::Prefilling { computed: start },
-            "prefill chunk out of order"
-        );
+    pub(crate) fn finish_prefill_chunk(&mut self, start: usize, len: usize, sampled: Option<u32>) -> Applied {
+        assert_eq!(self.phase, Phase::Prefilling { computed: start }, "prefill chunk out of order");
         let (target, _) = self.prefill_target();
         let computed = start + len;
         if computed < target {
             self.phase = Phase::Prefilling { computed };
-            return Applied {
-                new_tokens: 0,
-                finish: None,
-            };
+            return Applied { new_tokens: 0, finish: None };
         }
         self.phase = Phase::Decoding;
         match sampled {
-            Some(tok) => Applied {
-                new_tokens: 1,
-                finish: self.push_token(tok),
-            },
-            None => Applied {
-                new_tokens: 0,
-                finish: None,
-            },
+            Some(tok) => Applied { new_tokens: 1, finish: self.push_token(tok) },
+            None => Applied { new_tokens: 0, finish: None },
         }
     }
 
@@ -450,14 +365,8 @@ impl Request {
     /// `t_0..t_a` are those tokens' successors, so the output grows by `t_0..t_a` (cut at
     /// a stop) and `t_a` is the new bonus.
     pub(crate) fn apply_verify(&mut self, committed: usize, samples: &[u32]) -> Applied {
-        assert!(
-            self.phase == Phase::Decoding && self.tokens.len() == committed + 1,
-            "verify of a stale block"
-        );
-        let mut applied = Applied {
-            new_tokens: 0,
-            finish: None,
-        };
+        assert!(self.phase == Phase::Decoding && self.tokens.len() == committed + 1, "verify of a stale block");
+        let mut applied = Applied { new_tokens: 0, finish: None };
         for &tok in samples {
             applied.new_tokens += 1;
             applied.finish = self.push_token(tok);
@@ -512,32 +421,11 @@ mod tests {
         assert_eq!(r.phase(), Phase::Preempted);
         assert!(r.pages().is_empty(), "preemption frees the pages");
         assert!(r.admit(&[], 1, 0));
-        assert_eq!(
-            r.finish_prefill_chunk(0, 2, None),
-            Applied {
-                new_tokens: 0,
-                finish: None
-            }
-        );
-        assert_eq!(
-            r.finish_prefill_chunk(2, 1, Some(5)),
-            Applied {
-                new_tokens: 1,
-                finish: None
-            }
-        );
-        assert_eq!(
-            (r.phase(), r.num_computed(), r.tokens()),
-            (Phase::Decoding, 3, &[1, 2, 3, 5][..])
-        );
+        assert_eq!(r.finish_prefill_chunk(0, 2, None), Applied { new_tokens: 0, finish: None });
+        assert_eq!(r.finish_prefill_chunk(2, 1, Some(5)), Applied { new_tokens: 1, finish: None });
+        assert_eq!((r.phase(), r.num_computed(), r.tokens()), (Phase::Decoding, 3, &[1, 2, 3, 5][..]));
         // bonus 5 at 3, accepted 1 draft: t_0, t_1 appended; the stop token 9 cuts the block.
-        assert_eq!(
-            r.apply_verify(3, &[6, 9, 7]),
-            Applied {
-                new_tokens: 2,
-                finish: Some(FinishReason::Stop)
-            }
-        );
+        assert_eq!(r.apply_verify(3, &[6, 9, 7]), Applied { new_tokens: 2, finish: Some(FinishReason::Stop) });
         r.finish(FinishReason::Stop);
         assert_eq!(r.phase(), Phase::Finished(FinishReason::Stop));
     }

@@ -98,39 +98,26 @@ impl SchedulerConfig {
     /// State slots a decoding request holds: the committed one and one per row of the
     /// largest verify block (0 without state). The admission bound counts them.
     pub fn state_slots_per_seq(&self) -> usize {
-        if self.state_slots {
-            state_slots_per_seq(self.num_speculative_tokens)
-        } else {
-            0
-        }
+        if self.state_slots { state_slots_per_seq(self.num_speculative_tokens) } else { 0 }
     }
 
     /// State slots a prefilling request holds: the committed one and its chunk's last row's.
     pub fn prefill_state_slots(&self) -> usize {
-        if self.state_slots {
-            2
-        } else {
-            0
-        }
+        if self.state_slots { 2 } else { 0 }
     }
 
     /// B of a step with `num_decoding` decoding requests under a static policy (Fixed,
     /// Schedule); under Adaptive B depends on live state (`Scheduler::next_draft_len`): the
     /// largest block here.
     pub fn block_rows_for(&self, num_decoding: usize) -> usize {
-        let k = self
-            .draft_len_policy
-            .static_draft_len(self.num_speculative_tokens, num_decoding);
+        let k = self.draft_len_policy.static_draft_len(self.num_speculative_tokens, num_decoding);
         k.unwrap_or(self.num_speculative_tokens) + 1
     }
 
     fn validate(&self) -> CoreResult<()> {
         let bad = |m: String| Err(CoreError::InvalidConfig(m));
         if self.num_pages < 2 {
-            return bad(format!(
-                "num_pages must be >= 2 (null page + one usable), got {}",
-                self.num_pages
-            ));
+            return bad(format!("num_pages must be >= 2 (null page + one usable), got {}", self.num_pages));
         }
         if self.page_size == 0 {
             return bad("page_size must be >= 1".into());
@@ -144,9 +131,7 @@ impl SchedulerConfig {
         if let Err(m) = self.draft_len_policy.validate(self.num_speculative_tokens) {
             return bad(m);
         }
-        if self.draft_block_rows != 0
-            && (self.num_speculative_tokens == 0 || self.draft_block_rows < self.block_rows())
-        {
+        if self.draft_block_rows != 0 && (self.num_speculative_tokens == 0 || self.draft_block_rows < self.block_rows()) {
             return bad(format!(
                 "draft_block_rows ({}) needs speculation and must be >= num_speculative_tokens + 1 ({})",
                 self.draft_block_rows,
@@ -327,9 +312,7 @@ impl Scheduler {
         self.running
             .iter()
             .copied()
-            .filter(|&h| {
-                only.is_none_or(|o| o == h) && matches!(self.requests[&h].phase(), Phase::Decoding)
-            })
+            .filter(|&h| only.is_none_or(|o| o == h) && matches!(self.requests[&h].phase(), Phase::Decoding))
             .collect()
     }
 
@@ -344,13 +327,7 @@ impl Scheduler {
         if self.ids.contains_key(id) {
             return Err(CoreError::DuplicateRequest(id.to_string()));
         }
-        let reject = |param: Param, reason: String| {
-            Err(CoreError::Rejected {
-                request_id: id.to_string(),
-                param,
-                reason,
-            })
-        };
+        let reject = |param: Param, reason: String| Err(CoreError::Rejected { request_id: id.to_string(), param, reason });
         if prompt.is_empty() {
             return reject(Param::Prompt, "the prompt is empty".into());
         }
@@ -359,14 +336,11 @@ impl Scheduler {
         }
         let total = prompt.len() + max_tokens;
         if prompt.len() >= self.cfg.max_model_len {
-            return reject(
-                Param::Prompt,
-                format!(
-                    "the prompt ({} tokens) leaves no room to generate within max_model_len ({})",
-                    prompt.len(),
-                    self.cfg.max_model_len
-                ),
-            );
+            return reject(Param::Prompt, format!(
+                "the prompt ({} tokens) leaves no room to generate within max_model_len ({})",
+                prompt.len(),
+                self.cfg.max_model_len
+            ));
         }
         if total > self.cfg.max_model_len {
             return reject(Param::MaxTokens, format!(
@@ -378,31 +352,15 @@ impl Scheduler {
         let pages = pages_per_seq(total, self.cfg.reserve_rows(), self.cfg.page_size);
         let slots = self.cfg.state_slots_per_seq();
         if pages + slots > self.pool.num_usable() {
-            let with = if slots > 0 {
-                format!(" and {slots} state slots")
-            } else {
-                String::new()
-            };
-            return reject(
-                Param::Prompt,
-                format!(
-                    "needs {pages} KV pages{with} at full length but the pool has {}",
-                    self.pool.num_usable()
-                ),
-            );
+            let with = if slots > 0 { format!(" and {slots} state slots") } else { String::new() };
+            return reject(Param::Prompt, format!(
+                "needs {pages} KV pages{with} at full length but the pool has {}",
+                self.pool.num_usable()
+            ));
         }
         let handle = self.next_handle;
         self.next_handle += 1;
-        self.requests.insert(
-            handle,
-            Request::new(
-                id,
-                &prompt,
-                max_tokens,
-                stop_token_ids,
-                self.pool.empty_list(),
-            ),
-        );
+        self.requests.insert(handle, Request::new(id, &prompt, max_tokens, stop_token_ids, self.pool.empty_list()));
         self.ids.insert(id.to_string(), handle);
         self.waiting.push_back(handle);
         Ok(handle)
@@ -440,10 +398,7 @@ impl Scheduler {
     }
 
     fn preempt(&mut self, handle: u64) {
-        self.requests
-            .get_mut(&handle)
-            .expect("live request")
-            .preempt();
+        self.requests.get_mut(&handle).expect("live request").preempt();
         self.running.retain(|&h| h != handle);
         self.waiting.push_front(handle);
         self.num_preemptions += 1;
@@ -495,24 +450,14 @@ impl Scheduler {
                     }
                     let (target, sample) = req.prefill_target();
                     let len = (target - computed).min(budget).min(prefill_tokens);
-                    EntryKind::Prefill {
-                        start: computed,
-                        len,
-                        sample: sample && computed + len == target,
-                    }
+                    EntryKind::Prefill { start: computed, len, sample: sample && computed + len == target }
                 }
-                Phase::Decoding => EntryKind::Decode {
-                    committed: req.num_computed(),
-                },
+                Phase::Decoding => EntryKind::Decode { committed: req.num_computed() },
                 p => unreachable!("{} request in running", p.name()),
             };
             let rows = kind.num_rows(b);
             // A decode step's draft block may reach past its verify block (draft_block_rows).
-            let reach = if matches!(kind, EntryKind::Decode { .. }) {
-                rows.max(self.cfg.draft_block_rows)
-            } else {
-                rows
-            };
+            let reach = if matches!(kind, EntryKind::Decode { .. }) { rows.max(self.cfg.draft_block_rows) } else { rows };
             let need_tokens = req.num_computed() + reach;
             if rows == 0 || rows > budget {
                 i += 1;
@@ -557,23 +502,13 @@ impl Scheduler {
             && prefill_entries > 0
             && self.running.len() < self.cfg.max_num_seqs
         {
-            let Some(&h) = self.waiting.front() else {
-                break;
-            };
+            let Some(&h) = self.waiting.front() else { break };
             let req = self.requests.get_mut(&h).expect("waiting request");
             let (target, sample) = req.prefill_target();
-            let hits = if self.cfg.enable_prefix_caching {
-                req.cache_lookup()
-            } else {
-                Vec::new()
-            };
+            let hits = if self.cfg.enable_prefix_caching { req.cache_lookup() } else { Vec::new() };
             let start = hits.len() * self.cfg.page_size;
             let len = (target - start).min(budget).min(prefill_tokens);
-            if !req.admit(
-                &hits,
-                self.pool.pages_for(start + len),
-                self.cfg.prefill_state_slots(),
-            ) {
+            if !req.admit(&hits, self.pool.pages_for(start + len), self.cfg.prefill_state_slots()) {
                 break;
             }
             if self.cfg.enable_prefix_caching {
@@ -583,14 +518,7 @@ impl Scheduler {
             max_pages = max_pages.max(req.pages().len());
             self.waiting.pop_front();
             self.running.push(h);
-            chosen.push((
-                h,
-                EntryKind::Prefill {
-                    start,
-                    len,
-                    sample: sample && start + len == target,
-                },
-            ));
+            chosen.push((h, EntryKind::Prefill { start, len, sample: sample && start + len == target }));
             budget -= len;
             prefill_tokens -= len;
             prefill_entries -= 1;
@@ -617,23 +545,10 @@ impl Scheduler {
     }
 
     /// Lays out the arrays of the chosen requests.
-    fn build_plan(
-        &self,
-        step_id: u64,
-        chosen: &[(u64, EntryKind)],
-        max_pages: usize,
-        b: usize,
-    ) -> StepPlan {
+    fn build_plan(&self, step_id: u64, chosen: &[(u64, EntryKind)], max_pages: usize, b: usize) -> StepPlan {
         let mask = self.cfg.mask_token_id as i64;
-        let mut plan = StepPlan {
-            step_id,
-            block_rows: b,
-            ..Default::default()
-        };
-        let num_decode = chosen
-            .iter()
-            .filter(|(_, k)| matches!(k, EntryKind::Decode { .. }))
-            .count();
+        let mut plan = StepPlan { step_id, block_rows: b, ..Default::default() };
+        let num_decode = chosen.iter().filter(|(_, k)| matches!(k, EntryKind::Decode { .. })).count();
         plan.num_decode = num_decode;
         let ps = self.cfg.page_size;
         let rows: usize = chosen.iter().map(|(_, k)| k.num_rows(b)).sum();
@@ -671,23 +586,16 @@ impl Scheduler {
             // in the slots other than the committed one.
             let mut state_writes = Vec::new();
             if self.cfg.state_slots {
-                plan.state_read
-                    .push(req.committed_slot().map_or(-1, |p| p as i64));
+                plan.state_read.push(req.committed_slot().map_or(-1, |p| p as i64));
                 let rows = kind.num_rows(b);
-                state_writes = req.state_writes(if matches!(kind, EntryKind::Decode { .. }) {
-                    b
-                } else {
-                    1
-                });
+                state_writes = req.state_writes(if matches!(kind, EntryKind::Decode { .. }) { b } else { 1 });
                 let first_kept = rows - state_writes.len();
                 plan.state_write.extend(std::iter::repeat_n(-1, first_kept));
-                plan.state_write
-                    .extend(state_writes.iter().map(|&p| p as i64));
+                plan.state_write.extend(state_writes.iter().map(|&p| p as i64));
             }
             let seq_len = match *kind {
                 EntryKind::Prefill { start, len, sample } => {
-                    t.input_ids
-                        .extend(tokens[start..start + len].iter().map(|&x| x as i64));
+                    t.input_ids.extend(tokens[start..start + len].iter().map(|&x| x as i64));
                     t.positions.extend((start..start + len).map(|p| p as i64));
                     push_slots(&mut t.slot_mapping, pages, ps, start, len);
                     if sample {
@@ -698,13 +606,10 @@ impl Scheduler {
                 EntryKind::Decode { committed } => {
                     t.input_ids.push(tokens[committed] as i64);
                     t.input_ids.extend(std::iter::repeat_n(mask, b - 1));
-                    t.positions
-                        .extend((committed..committed + b).map(|p| p as i64));
+                    t.positions.extend((committed..committed + b).map(|p| p as i64));
                     push_slots(&mut t.slot_mapping, pages, ps, committed, b);
-                    plan.sample_rows
-                        .extend((q_start..q_start + b).map(|r| r as i64));
-                    plan.verify_target_rows
-                        .extend((q_start + 1..q_start + b).map(|r| r as i64));
+                    plan.sample_rows.extend((q_start..q_start + b).map(|r| r as i64));
+                    plan.verify_target_rows.extend((q_start + 1..q_start + b).map(|r| r as i64));
                     if d > 0 {
                         // The draft block's rows past the verify block are reserved too
                         // (`reach` in schedule_among): push_slots panics on a missing page.
@@ -712,12 +617,10 @@ impl Scheduler {
                         let first = dp.input_ids.len();
                         dp.input_ids.push(tokens[committed] as i64);
                         dp.input_ids.extend(std::iter::repeat_n(mask, d - 1));
-                        dp.positions
-                            .extend((committed..committed + d).map(|p| p as i64));
+                        dp.positions.extend((committed..committed + d).map(|p| p as i64));
                         push_slots(&mut dp.slot_mapping, pages, ps, committed, d);
                         dp.seq_lens.push((committed + d) as i32);
-                        dp.proposal_rows
-                            .extend((first + 1..first + b).map(|r| r as i64));
+                        dp.proposal_rows.extend((first + 1..first + b).map(|r| r as i64));
                     }
                     committed + b
                 }
@@ -726,14 +629,7 @@ impl Scheduler {
             t.seq_lens.push(seq_len as i32);
             push_table(&mut t.page_tables, pages, max_pages);
             let num_samples = plan.sample_rows.len() - sample_start;
-            let entry = PlanEntry {
-                handle: *h,
-                kind: *kind,
-                q_start,
-                sample_start,
-                num_samples,
-                state_writes,
-            };
+            let entry = PlanEntry { handle: *h, kind: *kind, q_start, sample_start, num_samples, state_writes };
             debug_assert_eq!(entry.num_rows(), t.input_ids.len() - q_start);
             plan.entries.push(entry);
         }
@@ -743,17 +639,11 @@ impl Scheduler {
     /// Takes the outstanding record if `ticket` is its ticket.
     fn redeem(&mut self, ticket: &StepTicket) -> CoreResult<Outstanding> {
         match &self.outstanding {
-            _ if ticket.scheduler() != self.id => Err(CoreError::StalePlan(format!(
-                "the ticket of step {} belongs to another scheduler",
-                ticket.step_id()
-            ))),
-            Some(o) if o.step_id == ticket.step_id() => {
-                Ok(self.outstanding.take().expect("matched"))
+            _ if ticket.scheduler() != self.id => {
+                Err(CoreError::StalePlan(format!("the ticket of step {} belongs to another scheduler", ticket.step_id())))
             }
-            _ => Err(CoreError::StalePlan(format!(
-                "step {} is not the outstanding step",
-                ticket.step_id()
-            ))),
+            Some(o) if o.step_id == ticket.step_id() => Ok(self.outstanding.take().expect("matched")),
+            _ => Err(CoreError::StalePlan(format!("step {} is not the outstanding step", ticket.step_id()))),
         }
     }
 
@@ -780,12 +670,7 @@ impl Scheduler {
     /// `sampled[j]` the target's token at `sample_rows[j]`. Everything is validated against
     /// the scheduler's own record before anything changes; on refusal the ticket comes back.
     /// Requests finished since `schedule()` (aborted) are skipped.
-    pub fn commit(
-        &mut self,
-        ticket: StepTicket,
-        accepted: &[u32],
-        sampled: &[u32],
-    ) -> Result<CommitBatch, Refused> {
+    pub fn commit(&mut self, ticket: StepTicket, accepted: &[u32], sampled: &[u32]) -> Result<CommitBatch, Refused> {
         let o = match self.redeem(&ticket) {
             Ok(o) => o,
             Err(error) => return Err(Refused { error, ticket }),
@@ -798,8 +683,7 @@ impl Scheduler {
         let decoded = o.entries.iter().zip(accepted).filter(|(e, _)| {
             matches!(e.kind, EntryKind::Decode { .. }) && self.requests.contains_key(&e.handle)
         });
-        self.draft_len
-            .observe_step(decoded.map(|(e, &a)| (e.handle, e.num_drafts(), a as usize)));
+        self.draft_len.observe_step(decoded.map(|(e, &a)| (e.handle, e.num_drafts(), a as usize)));
         let n = o.entries.len();
         let mut out = CommitBatch {
             handles: Vec::with_capacity(n),
@@ -810,26 +694,16 @@ impl Scheduler {
         };
         out.offsets.push(0);
         for (e, &a) in o.entries.iter().zip(accepted) {
-            let Some(req) = self.requests.get_mut(&e.handle) else {
-                continue;
-            };
+            let Some(req) = self.requests.get_mut(&e.handle) else { continue };
             let s = &sampled[e.sample_start..e.sample_start + e.num_samples];
             let applied = match e.kind {
-                EntryKind::Prefill { start, len, sample } => {
-                    req.finish_prefill_chunk(start, len, sample.then(|| s[0]))
-                }
-                EntryKind::Decode { committed } => {
-                    req.apply_verify(committed, &s[..a as usize + 1])
-                }
+                EntryKind::Prefill { start, len, sample } => req.finish_prefill_chunk(start, len, sample.then(|| s[0])),
+                EntryKind::Decode { committed } => req.apply_verify(committed, &s[..a as usize + 1]),
             };
             if !e.state_writes.is_empty() && applied.finish.is_none() {
                 // The state after the last kept row (the chunk's last; verify row a) is the
                 // committed one now: the rejected rows' states are never read.
-                let last = if matches!(e.kind, EntryKind::Decode { .. }) {
-                    a as usize
-                } else {
-                    0
-                };
+                let last = if matches!(e.kind, EntryKind::Decode { .. }) { a as usize } else { 0 };
                 req.commit_state(e.state_writes[last]);
             }
             if self.cfg.enable_prefix_caching {
@@ -837,19 +711,14 @@ impl Scheduler {
                 req.publish_computed();
             }
             let toks = req.tokens();
-            out.tokens.extend(
-                toks[toks.len() - applied.new_tokens..]
-                    .iter()
-                    .map(|&t| t as i64),
-            );
+            out.tokens.extend(toks[toks.len() - applied.new_tokens..].iter().map(|&t| t as i64));
             out.num_cached_tokens.push(req.num_cached_tokens() as u32);
             if let Some(reason) = applied.finish {
                 self.remove(e.handle, reason);
             }
             out.handles.push(e.handle);
             out.offsets.push(out.tokens.len() as i64);
-            out.finish
-                .push(applied.finish.map_or(0, FinishReason::code));
+            out.finish.push(applied.finish.map_or(0, FinishReason::code));
         }
         Ok(out)
     }
@@ -929,35 +798,20 @@ impl Scheduler {
     /// Checks every invariant in the module doc; returns the first violation.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check_integrity()?;
-        let b = self
-            .outstanding
-            .as_ref()
-            .map_or(self.cfg.block_rows(), |o| o.block_rows);
-        let in_step: Vec<u64> = self
-            .outstanding
-            .iter()
-            .flat_map(|o| o.entries.iter().map(|e| e.handle))
-            .collect();
+        let b = self.outstanding.as_ref().map_or(self.cfg.block_rows(), |o| o.block_rows);
+        let in_step: Vec<u64> = self.outstanding.iter().flat_map(|o| o.entries.iter().map(|e| e.handle)).collect();
         let ps = self.cfg.page_size;
         let mut owners = vec![0u32; self.pool.num_pages()];
         for (h, r) in &self.requests {
             let frozen = r.num_frozen_pages();
             if frozen > r.pages().len() {
-                return Err(format!(
-                    "request {h}: {frozen} frozen pages but {} pages",
-                    r.pages().len()
-                ));
+                return Err(format!("request {h}: {frozen} frozen pages but {} pages", r.pages().len()));
             }
             if frozen * ps > r.num_computed() {
-                return Err(format!(
-                    "request {h}: frozen pages reach past computed {}",
-                    r.num_computed()
-                ));
+                return Err(format!("request {h}: frozen pages reach past computed {}", r.num_computed()));
             }
             if !self.cfg.enable_prefix_caching && frozen > 0 {
-                return Err(format!(
-                    "request {h} has frozen pages with prefix caching off"
-                ));
+                return Err(format!("request {h} has frozen pages with prefix caching off"));
             }
             for (j, &p) in r.pages().pages().iter().enumerate() {
                 if p == NULL_PAGE {
@@ -973,11 +827,7 @@ impl Scheduler {
                     // duplicate of a page published first (then unpublished, refcount 1).
                     match meta {
                         Some(m) if m.entry != r.frozen_entries()[j] => {
-                            return Err(format!(
-                                "request {h}: frozen page {p} is entry {} not {}",
-                                m.entry,
-                                r.frozen_entries()[j]
-                            ))
+                            return Err(format!("request {h}: frozen page {p} is entry {} not {}", m.entry, r.frozen_entries()[j]))
                         }
                         None if self.pool.refcount(p) != 1 => {
                             return Err(format!("request {h}: unpublished page {p} is shared"))
@@ -985,9 +835,7 @@ impl Scheduler {
                         _ => {}
                     }
                 } else if meta.is_some() || self.pool.refcount(p) != 1 {
-                    return Err(format!(
-                        "request {h}: page {p} past the frozen prefix is published or shared"
-                    ));
+                    return Err(format!("request {h}: page {p} past the frozen prefix is published or shared"));
                 }
             }
             self.check_state_slots(*h, r, in_step.contains(h), b, &mut owners)?;
@@ -1003,9 +851,7 @@ impl Scheduler {
                         return Err(format!("prefilling request {h} not exactly in running"));
                     }
                     if capacity < computed {
-                        return Err(format!(
-                            "request {h}: pages do not cover computed {computed}"
-                        ));
+                        return Err(format!("request {h}: pages do not cover computed {computed}"));
                     }
                 }
                 Phase::Decoding => {
@@ -1013,11 +859,7 @@ impl Scheduler {
                         return Err(format!("decoding request {h} not exactly in running"));
                     }
                     let committed = r.num_computed();
-                    let need = if in_step.contains(h) {
-                        committed + b
-                    } else {
-                        committed
-                    };
+                    let need = if in_step.contains(h) { committed + b } else { committed };
                     if capacity < need {
                         return Err(format!("request {h}: pages cover {capacity} < {need}"));
                     }
@@ -1027,9 +869,7 @@ impl Scheduler {
                         return Err(format!("queued request {h} not exactly in waiting"));
                     }
                     if !r.pages().is_empty() || in_step.contains(h) {
-                        return Err(format!(
-                            "queued request {h} holds pages or is in the outstanding step"
-                        ));
+                        return Err(format!("queued request {h} holds pages or is in the outstanding step"));
                     }
                 }
                 Phase::Finished(_) => return Err(format!("finished request {h} still live")),
@@ -1040,10 +880,7 @@ impl Scheduler {
         }
         for (p, &n) in owners.iter().enumerate() {
             if self.pool.refcount(p as u32) != n {
-                return Err(format!(
-                    "page {p} has refcount {} but {n} owners",
-                    self.pool.refcount(p as u32)
-                ));
+                return Err(format!("page {p} has refcount {} but {n} owners", self.pool.refcount(p as u32)));
             }
         }
         let owned = owners.iter().filter(|&&o| o != 0).count();
@@ -1063,14 +900,7 @@ impl Scheduler {
 
 impl Scheduler {
     /// The state-slot invariants of one request (module doc); counts its slots in `owners`.
-    fn check_state_slots(
-        &self,
-        h: u64,
-        r: &Request,
-        in_step: bool,
-        b: usize,
-        owners: &mut [u32],
-    ) -> Result<(), String> {
+    fn check_state_slots(&self, h: u64, r: &Request, in_step: bool, b: usize, owners: &mut [u32]) -> Result<(), String> {
         let slots = r.state_slots();
         if !self.cfg.state_slots {
             return match (slots.is_empty(), r.committed_slot()) {
@@ -1089,17 +919,11 @@ impl Scheduler {
         }
         if let Some(c) = r.committed_slot() {
             if !slots.contains(&c) {
-                return Err(format!(
-                    "request {h}: committed state slot {c} is not one it owns"
-                ));
+                return Err(format!("request {h}: committed state slot {c} is not one it owns"));
             }
         }
         if r.committed_slot().is_some() != (r.num_computed() > 0) {
-            return Err(format!(
-                "request {h}: committed slot {:?} with {} computed tokens",
-                r.committed_slot(),
-                r.num_computed()
-            ));
+            return Err(format!("request {h}: committed slot {:?} with {} computed tokens", r.committed_slot(), r.num_computed()));
         }
         let need = match r.phase() {
             Phase::Prefilling { .. } => self.cfg.prefill_state_slots(),
@@ -1108,11 +932,7 @@ impl Scheduler {
             _ => 0,
         };
         if slots.len() < need || (need == 0 && !slots.is_empty()) {
-            return Err(format!(
-                "request {h} ({}) holds {} state slots, needs {need}",
-                r.phase().name(),
-                slots.len()
-            ));
+            return Err(format!("request {h} ({}) holds {} state slots, needs {need}", r.phase().name(), slots.len()));
         }
         Ok(())
     }

@@ -63,9 +63,7 @@ pub fn stage_mixed_rows(
     let (b, rd) = (block_rows, num_decode);
     let r = qsl.len().checked_sub(1).ok_or("empty query_start_loc")?;
     if rd > bs || rd > r || sample_start.len() != r + 1 || b == 0 {
-        return Err(format!(
-            "a plan of {r} requests ({rd} decoding) does not fit bucket {bs} (B = {b})"
-        ));
+        return Err(format!("a plan of {r} requests ({rd} decoding) does not fit bucket {bs} (B = {b})"));
     }
     if srows.len() < bs * b + (r - rd) || vrows.len() != bs * (b - 1) {
         return Err(format!(
@@ -112,10 +110,7 @@ pub fn stage_sampling<T: Copy>(
 ) -> Result<(), String> {
     let r = values.len();
     if sample_start.len() != r + 1 {
-        return Err(format!(
-            "{r} values for {} requests",
-            sample_start.len().saturating_sub(1)
-        ));
+        return Err(format!("{r} values for {} requests", sample_start.len().saturating_sub(1)));
     }
     let slots = |i: usize| -> (usize, usize) {
         match mixed {
@@ -126,24 +121,17 @@ pub fn stage_sampling<T: Copy>(
             _ => (sample_start[i] as usize, sample_start[i + 1] as usize),
         }
     };
-    if sample_start.first().is_some_and(|&s| s < 0) || sample_start.windows(2).any(|w| w[1] < w[0])
-    {
+    if sample_start.first().is_some_and(|&s| s < 0) || sample_start.windows(2).any(|w| w[1] < w[0]) {
         return Err("sample_start is not a non-negative, non-decreasing offset array".into());
     }
     for i in 0..r {
         let (lo, hi) = slots(i);
         if hi > out.len() {
-            return Err(format!(
-                "request {i}'s sample slots {lo}..{hi} fall outside {} slots",
-                out.len()
-            ));
+            return Err(format!("request {i}'s sample slots {lo}..{hi} fall outside {} slots", out.len()));
         }
         if let Some((rd, _)) = mixed {
             if i >= rd && hi - lo > 1 {
-                return Err(format!(
-                    "prefill request {i} samples {} rows (at most 1 in a mixed graph)",
-                    hi - lo
-                ));
+                return Err(format!("prefill request {i} samples {} rows (at most 1 in a mixed graph)", hi - lo));
             }
         }
     }
@@ -184,21 +172,9 @@ mod tests {
     fn mixed_shapes_a_graph_replays_and_those_it_does_not() {
         let (q, s, rows) = mixed_plan(3, 4, &[(5, true), (6, false)]);
         assert_eq!(mixed_prefill_tokens(&q, &s, &rows, 3, 4, 4), Some(11));
-        assert_eq!(
-            mixed_prefill_tokens(&q, &s, &rows, 3, 4, 1),
-            None,
-            "too many prefill requests"
-        );
-        assert_eq!(
-            mixed_prefill_tokens(&q, &s, &rows, 0, 4, 4),
-            None,
-            "no decoding request"
-        );
-        assert_eq!(
-            mixed_prefill_tokens(&q, &s, &rows, 3, 5, 4),
-            None,
-            "other block rows"
-        );
+        assert_eq!(mixed_prefill_tokens(&q, &s, &rows, 3, 4, 1), None, "too many prefill requests");
+        assert_eq!(mixed_prefill_tokens(&q, &s, &rows, 0, 4, 4), None, "no decoding request");
+        assert_eq!(mixed_prefill_tokens(&q, &s, &rows, 3, 5, 4), None, "other block rows");
         let mut bad = rows.clone();
         *bad.last_mut().unwrap() -= 1; // a prefill chunk sampling a row that is not its last
         assert_eq!(mixed_prefill_tokens(&q, &s, &bad, 3, 4, 4), None);
@@ -215,19 +191,12 @@ mod tests {
         assert_eq!(out, [1, 1, 1, 1, 2, 2, 2, 2]);
         assert!(stage_sampling(&mut out, &[1, 2], 9, &[0, 4, 9], None).is_err());
         assert!(stage_sampling(&mut out, &[1], 9, &[0, 4, 8], None).is_err());
-        assert!(
-            stage_sampling(&mut out, &[1, 2], 9, &[0, 4, 3], Some((1, 4))).is_err(),
-            "decreasing offsets"
-        );
+        assert!(stage_sampling(&mut out, &[1, 2], 9, &[0, 4, 3], Some((1, 4))).is_err(), "decreasing offsets");
         assert!(
             stage_sampling(&mut out, &[1, 2], 9, &[0, 4, 6], Some((1, 4))).is_err(),
             "two samples in a prefill slot"
         );
-        assert_eq!(
-            out,
-            [1, 1, 1, 1, 2, 2, 2, 2],
-            "nothing written when refused"
-        );
+        assert_eq!(out, [1, 1, 1, 1, 2, 2, 2, 2], "nothing written when refused");
     }
 
     proptest! {

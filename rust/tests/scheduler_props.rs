@@ -25,42 +25,22 @@
 use std::collections::HashMap;
 
 use _core::{
-    draft_len, pages_per_seq, state_slots_per_seq, CoreError, DraftLenPolicy, EntryKind,
-    FinishReason, MixedStepLimit, Phase, Scheduler, SchedulerConfig, StepCosts, StepPlan,
-    StepTicket,
+    draft_len, pages_per_seq, state_slots_per_seq, CoreError, DraftLenPolicy, EntryKind, FinishReason, MixedStepLimit, Phase, Scheduler, SchedulerConfig,
+    StepCosts, StepPlan, StepTicket,
 };
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
     /// prompt = the first `shared` tokens of family `family` ++ `own` fresh tokens.
-    Add {
-        family: usize,
-        shared: usize,
-        own: usize,
-        max_tokens: usize,
-        stop: bool,
-    },
+    Add { family: usize, shared: usize, own: usize, max_tokens: usize, stop: bool },
     /// prompt = a live request's known tokens (prompt + output) ++ `own` fresh tokens: a
     /// second chat turn.
-    AddFollowUp {
-        pick: usize,
-        own: usize,
-        max_tokens: usize,
-    },
-    Step {
-        seed: u64,
-    },
-    Abort {
-        pick: usize,
-    },
-    StepThenAbortBeforeCommit {
-        seed: u64,
-        pick: usize,
-    },
-    StepThenCancel {
-        seed: u64,
-    },
+    AddFollowUp { pick: usize, own: usize, max_tokens: usize },
+    Step { seed: u64 },
+    Abort { pick: usize },
+    StepThenAbortBeforeCommit { seed: u64, pick: usize },
+    StepThenCancel { seed: u64 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -151,23 +131,12 @@ struct DraftLenRef {
 impl DraftLenRef {
     fn new(k: usize, adaptive: bool) -> Self {
         let global = (vec![0.0; k], vec![0.0; k]);
-        DraftLenRef {
-            k,
-            costs: None,
-            skew: false,
-            global,
-            requests: HashMap::new(),
-            chosen: Vec::new(),
-            calibration: vec![(0.0, 0.0); k],
-            adaptive,
-            plain_since: 0,
-        }
+        DraftLenRef { k, costs: None, skew: false, global, requests: HashMap::new(), chosen: Vec::new(),
+                      calibration: vec![(0.0, 0.0); k], adaptive, plain_since: 0 }
     }
 
     fn observe(c: &mut Counts, decay: f64, num_drafts: usize, accepted: usize) {
-        c.0.iter_mut()
-            .chain(c.1.iter_mut())
-            .for_each(|x| *x *= decay);
+        c.0.iter_mut().chain(c.1.iter_mut()).for_each(|x| *x *= decay);
         // Positions 1..=accepted accepted; accepted+1 rejected if proposed; nothing past it.
         for j in 0..num_drafts.min(accepted + 1) {
             c.0[j] += 1.0;
@@ -187,13 +156,8 @@ impl DraftLenRef {
         // history of accepting through j, and whether it did.
         if self.adaptive && results.iter().any(|&(_, d, _)| d > 0) {
             let decay = draft_len::CALIBRATION_DECAY.powi(1 + self.plain_since);
-            self.calibration
-                .iter_mut()
-                .for_each(|c| *c = (c.0 * decay, c.1 * decay));
-            for &(h, d, a) in results
-                .iter()
-                .filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h))
-            {
+            self.calibration.iter_mut().for_each(|c| *c = (c.0 * decay, c.1 * decay));
+            for &(h, d, a) in results.iter().filter(|&&(h, d, _)| d > 0 && self.requests.contains_key(&h)) {
                 let p = self.request_estimates(h);
                 for j in 0..d {
                     let reach: f64 = p[..=j].iter().product();
@@ -206,11 +170,7 @@ impl DraftLenRef {
         // the next step that drafts.
         if results.iter().any(|&(_, d, _)| d > 0) {
             let age = draft_len::GLOBAL_DECAY.powi(1 + self.plain_since);
-            self.global
-                .0
-                .iter_mut()
-                .chain(self.global.1.iter_mut())
-                .for_each(|x| *x *= age);
+            self.global.0.iter_mut().chain(self.global.1.iter_mut()).for_each(|x| *x *= age);
             self.plain_since = 0;
         } else {
             self.plain_since += 1;
@@ -220,10 +180,7 @@ impl DraftLenRef {
             if !self.adaptive {
                 continue;
             }
-            let own = self
-                .requests
-                .entry(h)
-                .or_insert_with(|| (vec![0.0; k], vec![0.0; k]));
+            let own = self.requests.entry(h).or_insert_with(|| (vec![0.0; k], vec![0.0; k]));
             Self::observe(own, draft_len::REQUEST_DECAY, d, a);
         }
     }
@@ -231,9 +188,7 @@ impl DraftLenRef {
     /// Expected accepted drafts of a block of k under estimates p, each position's term scaled
     /// by its calibration factor.
     fn drafts(&self, p: &[f64], k: usize) -> f64 {
-        (1..=k)
-            .map(|j| self.factor(j) * p[..j].iter().product::<f64>())
-            .sum()
+        (1..=k).map(|j| self.factor(j) * p[..j].iter().product::<f64>()).sum()
     }
 
     fn factor(&self, j: usize) -> f64 {
@@ -261,11 +216,7 @@ impl DraftLenRef {
         let n0 = draft_len::REQUEST_PRIOR_WEIGHT;
         let blend = |j: usize| {
             let w = n[j] / (n[j] + n0);
-            if n[j] > 0.0 {
-                w * a[j] / n[j] + (1.0 - w) * g[j]
-            } else {
-                g[j]
-            }
+            if n[j] > 0.0 { w * a[j] / n[j] + (1.0 - w) * g[j] } else { g[j] }
         };
         (0..self.k).map(blend).collect()
     }
@@ -275,35 +226,20 @@ impl DraftLenRef {
         if let Some(k) = policy.static_draft_len(self.k, decoding.len()) {
             return vec![k];
         }
-        let (DraftLenPolicy::Adaptive { candidates }, Some((buckets, secs))) =
-            (policy, &self.costs)
-        else {
+        let (DraftLenPolicy::Adaptive { candidates }, Some((buckets, secs))) = (policy, &self.costs) else {
             return vec![self.k];
         };
         if decoding.is_empty() {
             return vec![self.k];
         }
-        let row = &secs[buckets
-            .iter()
-            .position(|&b| b >= decoding.len())
-            .unwrap_or(buckets.len() - 1)];
+        let row = &secs[buckets.iter().position(|&b| b >= decoding.len()).unwrap_or(buckets.len() - 1)];
         let rate = |k: usize| {
             // n + Σ_i Σ_{j≤k} c_j · Π_{m≤j} p_i,m
-            let drafts: f64 = decoding
-                .iter()
-                .map(|&h| self.drafts(&self.request_estimates(h), k))
-                .sum();
+            let drafts: f64 = decoding.iter().map(|&h| self.drafts(&self.request_estimates(h), k)).sum();
             (decoding.len() as f64 + drafts) / row[k]
         };
-        let best = candidates
-            .iter()
-            .map(|&k| rate(k))
-            .fold(f64::NEG_INFINITY, f64::max);
-        let set: Vec<usize> = candidates
-            .iter()
-            .copied()
-            .filter(|&k| rate(k) >= best * (1.0 - 1e-9))
-            .collect();
+        let best = candidates.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
+        let set: Vec<usize> = candidates.iter().copied().filter(|&k| rate(k) >= best * (1.0 - 1e-9)).collect();
         // After PLAIN_AFTER steps in a row that drafted, a plain step (0 a candidate).
         let drafted = self.chosen.iter().rev().take_while(|&&k| k > 0).count() as u64;
         if drafted >= draft_len::PLAIN_AFTER && candidates.contains(&0) {
@@ -313,61 +249,31 @@ impl DraftLenRef {
         // nothing drafts the best k > 0 instead.
         let zeros = self.chosen.iter().rev().take_while(|&&k| k == 0).count() as u64;
         let drafting: Vec<usize> = candidates.iter().copied().filter(|&k| k > 0).collect();
-        let best_d = drafting
-            .iter()
-            .map(|&k| rate(k))
-            .fold(f64::NEG_INFINITY, f64::max);
+        let best_d = drafting.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
         // ... times the cost of the best drafting k over a plain step (the slowest of near ties).
-        let ratio = drafting
-            .iter()
-            .filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
-            .map(|&k| row[k] / row[0])
-            .fold(1.0_f64, f64::max);
-        let ratio_lo = drafting
-            .iter()
-            .filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
-            .map(|&k| row[k] / row[0])
-            .fold(f64::INFINITY, f64::min)
-            .max(1.0);
+        let ratio = drafting.iter().filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
+            .map(|&k| row[k] / row[0]).fold(1.0_f64, f64::max);
+        let ratio_lo = drafting.iter().filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
+            .map(|&k| row[k] / row[0]).fold(f64::INFINITY, f64::min).max(1.0);
         let threshold = _core::draft_len::EXPLORE_AFTER as f64;
-        if set.contains(&0)
-            && !drafting.is_empty()
-            && zeros as f64 >= threshold * ratio_lo
-            && (zeros as f64) < threshold * ratio
-        {
+        if set.contains(&0) && !drafting.is_empty() && zeros as f64 >= threshold * ratio_lo
+            && (zeros as f64) < threshold * ratio {
             return candidates.to_vec(); // a near tie between drafting k's of different cost: either
         }
         if set.contains(&0) && zeros as f64 >= threshold * ratio && !drafting.is_empty() {
-            let mut out: Vec<usize> = drafting
-                .into_iter()
-                .filter(|&k| rate(k) >= best_d * (1.0 - 1e-9))
-                .collect();
+            let mut out: Vec<usize> = drafting.into_iter().filter(|&k| rate(k) >= best_d * (1.0 - 1e-9)).collect();
             out.extend(set.iter().copied().filter(|&k| k > 0));
             return out;
         }
         // Every PROBE_EVERY-th step drafts the runner-up when it is within PROBE_WITHIN of
         // the best (on a tie for the best, any of the tied).
-        if self.chosen.len() as u64 % draft_len::PROBE_EVERY == draft_len::PROBE_EVERY - 1
-            && set.len() == 1
-        {
-            let second = candidates
-                .iter()
-                .filter(|&&k| k != set[0])
-                .map(|&k| rate(k))
-                .fold(f64::NEG_INFINITY, f64::max);
+        if self.chosen.len() as u64 % draft_len::PROBE_EVERY == draft_len::PROBE_EVERY - 1 && set.len() == 1 {
+            let second = candidates.iter().filter(|&&k| k != set[0]).map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
             if second >= draft_len::PROBE_WITHIN * best * (1.0 + 1e-9) {
-                return candidates
-                    .iter()
-                    .copied()
-                    .filter(|&k| k != set[0] && rate(k) >= second * (1.0 - 1e-9))
-                    .collect();
+                return candidates.iter().copied().filter(|&k| k != set[0] && rate(k) >= second * (1.0 - 1e-9)).collect();
             }
             if second >= draft_len::PROBE_WITHIN * best * (1.0 - 1e-9) {
-                let mut out: Vec<usize> = candidates
-                    .iter()
-                    .copied()
-                    .filter(|&k| rate(k) >= second * (1.0 - 1e-9))
-                    .collect();
+                let mut out: Vec<usize> = candidates.iter().copied().filter(|&k| rate(k) >= second * (1.0 - 1e-9)).collect();
                 out.sort_unstable();
                 return out; // on the threshold: either
             }
@@ -376,31 +282,15 @@ impl DraftLenRef {
     }
 
     fn check(&self, s: &Scheduler, live: &HashMap<u64, Model>) {
-        let close = |a: &[f64], b: &[f64]| {
-            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9)
-        };
+        let close = |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9);
         let dl = s.draft_len();
         let (got, want) = (dl.global_estimates(), self.global_estimates());
-        assert!(
-            close(&got, &want),
-            "global acceptance estimates {got:?}, the reference {want:?}"
-        );
+        assert!(close(&got, &want), "global acceptance estimates {got:?}, the reference {want:?}");
         for h in live.keys() {
-            assert!(
-                close(&dl.request_estimates(*h), &self.request_estimates(*h)),
-                "request {h}: acceptance estimates"
-            );
+            assert!(close(&dl.request_estimates(*h), &self.request_estimates(*h)), "request {h}: acceptance estimates");
         }
-        let tracked = self
-            .requests
-            .keys()
-            .filter(|h| live.contains_key(h))
-            .count();
-        assert_eq!(
-            dl.num_tracked(),
-            tracked,
-            "acceptance counts of requests that are gone"
-        );
+        let tracked = self.requests.keys().filter(|h| live.contains_key(h)).count();
+        assert_eq!(dl.num_tracked(), tracked, "acceptance counts of requests that are gone");
     }
 }
 
@@ -428,24 +318,13 @@ impl Harness {
         let mut owners: HashMap<u32, u32> = HashMap::new();
         for (h, m) in &self.model {
             let r = self.s.request(*h).expect("model request live in scheduler");
-            assert_eq!(
-                self.s.handle_of(&m.id),
-                Some(*h),
-                "one registry: id -> handle"
-            );
-            assert_eq!(
-                r.tokens(),
-                &m.tokens[..],
-                "request {h} tokens diverged from the model"
-            );
+            assert_eq!(self.s.handle_of(&m.id), Some(*h), "one registry: id -> handle");
+            assert_eq!(r.tokens(), &m.tokens[..], "request {h} tokens diverged from the model");
             for &p in r.pages().pages().iter().chain(r.state_slots()) {
                 *owners.entry(p).or_default() += 1;
             }
             if let Some(c) = r.committed_slot() {
-                assert!(
-                    r.state_slots().contains(&c),
-                    "request {h}: committed state slot {c} not its own"
-                );
+                assert!(r.state_slots().contains(&c), "request {h}: committed state slot {c} not its own");
             }
         }
         // Reference refcounts: the page tables and state slots, counted here.
@@ -453,10 +332,7 @@ impl Harness {
             let n = owners.get(&p).copied().unwrap_or(0);
             assert_eq!(pool.refcount(p), n, "page {p}: refcount vs page tables");
             if n > 1 {
-                assert!(
-                    pool.cache_meta(p).is_some(),
-                    "shared page {p} is not published"
-                );
+                assert!(pool.cache_meta(p).is_some(), "shared page {p} is not published");
             }
         }
     }
@@ -471,55 +347,23 @@ impl Harness {
         self.next_id += 1;
         let prompt_len = prompt.len();
         let stop_ids = if stop { vec![STOP] } else { vec![] };
-        match self
-            .s
-            .add_request(&id, prompt.clone(), max_tokens, stop_ids.clone())
-        {
+        match self.s.add_request(&id, prompt.clone(), max_tokens, stop_ids.clone()) {
             Ok(h) => {
-                self.model.insert(
-                    h,
-                    Model {
-                        id: id.clone(),
-                        tokens: prompt,
-                        prompt_len,
-                        max_tokens,
-                        stop: stop_ids,
-                    },
-                );
+                self.model.insert(h, Model { id: id.clone(), tokens: prompt, prompt_len, max_tokens, stop: stop_ids });
             }
             Err(CoreError::Rejected { .. }) => {
                 let cfg = self.s.config();
                 let too_long = prompt_len + max_tokens > cfg.max_model_len;
-                let slots = if cfg.state_slots {
-                    state_slots_per_seq(cfg.num_speculative_tokens)
-                } else {
-                    0
-                };
-                let too_big = (prompt_len + max_tokens + self.reserve).div_ceil(cfg.page_size)
-                    + slots
-                    > cfg.num_pages - 1;
-                assert_eq!(
-                    too_big,
-                    pages_per_seq(prompt_len + max_tokens, self.reserve, cfg.page_size) + slots
-                        > cfg.num_pages - 1
-                );
-                assert!(
-                    prompt_len == 0 || too_long || too_big,
-                    "rejected a request that fits"
-                );
+                let slots = if cfg.state_slots { state_slots_per_seq(cfg.num_speculative_tokens) } else { 0 };
+                let too_big = (prompt_len + max_tokens + self.reserve).div_ceil(cfg.page_size) + slots > cfg.num_pages - 1;
+                assert_eq!(too_big, pages_per_seq(prompt_len + max_tokens, self.reserve, cfg.page_size) + slots > cfg.num_pages - 1);
+                assert!(prompt_len == 0 || too_long || too_big, "rejected a request that fits");
             }
             Err(e) => panic!("unexpected {e}"),
         }
     }
 
-    fn add_family(
-        &mut self,
-        family: usize,
-        shared: usize,
-        own: usize,
-        max_tokens: usize,
-        stop: bool,
-    ) {
+    fn add_family(&mut self, family: usize, shared: usize, own: usize, max_tokens: usize, stop: bool) {
         let mut prompt: Vec<u32> = (0..shared).map(|i| family_token(family, i)).collect();
         prompt.extend(self.fresh_tokens(own));
         self.add(prompt, max_tokens, stop);
@@ -547,11 +391,7 @@ impl Harness {
     fn expected_hit_pages(&self, w: u64) -> usize {
         let ps = self.ps;
         let m = &self.model[&w];
-        let target = if m.tokens.len() == m.prompt_len {
-            m.prompt_len
-        } else {
-            m.tokens.len() - 1
-        };
+        let target = if m.tokens.len() == m.prompt_len { m.prompt_len } else { m.tokens.len() - 1 };
         let cap = (target - 1) / ps;
         let mut best = 0;
         for (q, mq) in &self.model {
@@ -573,43 +413,25 @@ impl Harness {
     /// Schedule and produce random results. `None` when there is nothing to run.
     #[allow(clippy::type_complexity)]
     fn plan(&mut self, seed: u64) -> Option<(StepTicket, StepPlan, Vec<u32>, Vec<u32>)> {
-        let before: HashMap<u64, (Phase, usize)> =
-            self.model.keys().map(|h| (*h, self.state(*h))).collect();
+        let before: HashMap<u64, (Phase, usize)> = self.model.keys().map(|h| (*h, self.state(*h))).collect();
         let expected: HashMap<u64, usize> = before
             .iter()
             .filter(|(_, (ph, _))| matches!(ph, Phase::Waiting | Phase::Preempted))
             .map(|(h, _)| (*h, self.expected_hit_pages(*h)))
             .collect();
         // The step's K: the policy's for the requests decoding before it.
-        let decoding: Vec<u64> = before
-            .iter()
-            .filter(|(_, (ph, _))| matches!(ph, Phase::Decoding))
-            .map(|(h, _)| *h)
-            .collect();
-        let want_k = self
-            .dl
-            .choices(&self.s.config().draft_len_policy, &decoding);
+        let decoding: Vec<u64> = before.iter().filter(|(_, (ph, _))| matches!(ph, Phase::Decoding)).map(|(h, _)| *h).collect();
+        let want_k = self.dl.choices(&self.s.config().draft_len_policy, &decoding);
         let next_k = self.s.next_draft_len();
         let Some((ticket, plan)) = self.s.schedule().unwrap() else {
-            assert_eq!(
-                self.s.num_running(),
-                0,
-                "nothing scheduled while requests run"
-            );
+            assert_eq!(self.s.num_running(), 0, "nothing scheduled while requests run");
             self.check();
             return None;
         };
         self.check();
         if plan.num_decode > 0 {
-            assert_eq!(
-                plan.block_rows,
-                next_k + 1,
-                "next_draft_len is what schedule() drafts"
-            );
-            assert!(
-                want_k.contains(&next_k),
-                "drafted {next_k}, the reference picks {want_k:?}"
-            );
+            assert_eq!(plan.block_rows, next_k + 1, "next_draft_len is what schedule() drafts");
+            assert!(want_k.contains(&next_k), "drafted {next_k}, the reference picks {want_k:?}");
             self.dl.chosen.push(next_k);
         }
         let ps = self.ps;
@@ -625,19 +447,8 @@ impl Harness {
                     assert_eq!(before[&e.handle], (Phase::Decoding, committed));
                     // The draft pass: this request's block of D rows, in its own pages.
                     let d = plan.draft.rows;
-                    assert_eq!(
-                        d,
-                        if plan.block_rows > 1 {
-                            plan.block_rows.max(self.s.config().draft_block_rows)
-                        } else {
-                            0
-                        }
-                    ); // (the rule, written out)
-                    let i = plan
-                        .entries
-                        .iter()
-                        .position(|x| x.handle == e.handle)
-                        .unwrap();
+                    assert_eq!(d, if plan.block_rows > 1 { plan.block_rows.max(self.s.config().draft_block_rows) } else { 0 }); // (the rule, written out)
+                    let i = plan.entries.iter().position(|x| x.handle == e.handle).unwrap();
                     for (j, row) in (i * d..(i + 1) * d).enumerate() {
                         assert_eq!(plan.draft.positions[row], (committed + j) as i64);
                         assert_eq!(plan.draft.slot_mapping[row], r.pages().slot(committed + j));
@@ -648,19 +459,10 @@ impl Harness {
                     if let Some(&want) = expected.get(&e.handle) {
                         // Admitted in this step: a whole number of shared pages, at least the
                         // live published run, and never the last token to prefill.
-                        let target = if tokens.len() == self.model[&e.handle].prompt_len {
-                            tokens.len()
-                        } else {
-                            tokens.len() - 1
-                        };
+                        let target = if tokens.len() == self.model[&e.handle].prompt_len { tokens.len() } else { tokens.len() - 1 };
                         assert_eq!(start % ps, 0);
                         assert!(start < target, "the whole prefill came from the cache");
-                        assert!(
-                            start >= want * ps,
-                            "request {}: hit {start} tokens, a live request publishes {}",
-                            e.handle,
-                            want * ps
-                        );
+                        assert!(start >= want * ps, "request {}: hit {start} tokens, a live request publishes {}", e.handle, want * ps);
                         assert_eq!(r.num_frozen_pages(), start / ps);
                     }
                     start
@@ -676,43 +478,24 @@ impl Harness {
                         "request {} reads slot {slot} (position {pos}) holding another prefix",
                         e.handle
                     ),
-                    other => panic!(
-                        "request {} reads slot {slot} (position {pos}): {other:?}",
-                        e.handle
-                    ),
+                    other => panic!("request {} reads slot {slot} (position {pos}): {other:?}", e.handle),
                 }
             }
             // Every slot it writes is private and unpublished.
             for row in e.q_start..e.q_start + e.num_rows() {
                 let slot = plan.target.slot_mapping[row];
                 let page = (slot / ps as i64) as u32;
-                assert_eq!(
-                    self.s.pool().refcount(page),
-                    1,
-                    "step writes shared page {page}"
-                );
-                assert!(
-                    self.s.pool().cache_meta(page).is_none(),
-                    "step writes published page {page}"
-                );
+                assert_eq!(self.s.pool().refcount(page), 1, "step writes shared page {page}");
+                assert!(self.s.pool().cache_meta(page).is_none(), "step writes published page {page}");
             }
         }
         self.check_state_plan(&plan);
         // Beside decoding requests, the prefill stays within the mixed-step limit.
         if let (Some(l), true) = (self.s.mixed_step_limit(), plan.num_decode > 0) {
             let prefill = &plan.entries[plan.num_decode..];
-            assert!(
-                prefill.len() <= l.requests,
-                "{} prefill chunks beside decoding, limit {}",
-                prefill.len(),
-                l.requests
-            );
+            assert!(prefill.len() <= l.requests, "{} prefill chunks beside decoding, limit {}", prefill.len(), l.requests);
             let rows: usize = prefill.iter().map(|e| e.num_rows()).sum();
-            assert!(
-                rows <= l.tokens,
-                "{rows} prefill rows beside decoding, limit {}",
-                l.tokens
-            );
+            assert!(rows <= l.tokens, "{rows} prefill rows beside decoding, limit {}", l.tokens);
         }
         let mut rng = Rng(seed);
         let skew = self.dl.skew;
@@ -721,18 +504,10 @@ impl Harness {
             .iter()
             .map(|e| {
                 let (d, u) = (e.num_drafts() as u64, rng.below(e.num_drafts() as u64 + 1));
-                (if !skew {
-                    u
-                } else {
-                    [u, d, 0][(e.handle % 3) as usize]
-                }) as u32
+                (if !skew { u } else { [u, d, 0][(e.handle % 3) as usize] }) as u32
             })
             .collect();
-        let sampled: Vec<u32> = plan
-            .sample_rows
-            .iter()
-            .map(|_| 3 + rng.below(40) as u32)
-            .collect();
+        let sampled: Vec<u32> = plan.sample_rows.iter().map(|_| 3 + rng.below(40) as u32).collect();
         Some((ticket, plan, accepted, sampled))
     }
 
@@ -742,21 +517,14 @@ impl Harness {
             assert!(plan.state_read.is_empty() && plan.state_write.is_empty());
             return;
         }
-        assert_eq!(
-            (plan.state_read.len(), plan.state_write.len()),
-            (plan.entries.len(), plan.target.num_rows())
-        );
+        assert_eq!((plan.state_read.len(), plan.state_write.len()), (plan.entries.len(), plan.target.num_rows()));
         let mut written = Vec::new();
         for (i, e) in plan.entries.iter().enumerate() {
             let r = self.s.request(e.handle).unwrap();
             let computed = r.num_computed();
             let read = plan.state_read[i];
             if computed == 0 {
-                assert_eq!(
-                    read, -1,
-                    "request {} with nothing computed reads a state",
-                    e.handle
-                );
+                assert_eq!(read, -1, "request {} with nothing computed reads a state", e.handle);
             } else {
                 assert_eq!(read, r.committed_slot().unwrap() as i64);
                 assert_eq!(
@@ -771,24 +539,13 @@ impl Harness {
             match e.kind {
                 EntryKind::Prefill { .. } => {
                     assert_eq!(kept.len(), 1);
-                    assert!(
-                        writes[writes.len() - 1] >= 0,
-                        "a prefill chunk keeps its last row's state"
-                    );
+                    assert!(writes[writes.len() - 1] >= 0, "a prefill chunk keeps its last row's state");
                 }
-                EntryKind::Decode { .. } => assert_eq!(
-                    kept.len(),
-                    plan.block_rows,
-                    "every verify row keeps a state"
-                ),
+                EntryKind::Decode { .. } => assert_eq!(kept.len(), plan.block_rows, "every verify row keeps a state"),
             }
             for w in kept {
                 assert_ne!(w, read, "a step overwrites the committed state it reads");
-                assert!(
-                    r.state_slots().contains(&(w as u32)),
-                    "request {} writes state slot {w} it does not own",
-                    e.handle
-                );
+                assert!(r.state_slots().contains(&(w as u32)), "request {} writes state slot {w} it does not own", e.handle);
                 written.push(w);
             }
         }
@@ -797,48 +554,26 @@ impl Harness {
         written.dedup();
         assert_eq!(written.len(), n, "a state slot written twice in one step");
         // No KV row (target or draft pass) lands in anyone's state slot.
-        let slots: Vec<u32> = self
-            .model
-            .keys()
-            .flat_map(|h| self.s.request(*h).unwrap().state_slots().to_vec())
-            .collect();
-        for &kv in plan
-            .target
-            .slot_mapping
-            .iter()
-            .chain(&plan.draft.slot_mapping)
-        {
-            assert!(
-                !slots.contains(&((kv / self.ps as i64) as u32)),
-                "KV slot {kv} lies in a state slot page"
-            );
+        let slots: Vec<u32> = self.model.keys().flat_map(|h| self.s.request(*h).unwrap().state_slots().to_vec()).collect();
+        for &kv in plan.target.slot_mapping.iter().chain(&plan.draft.slot_mapping) {
+            assert!(!slots.contains(&((kv / self.ps as i64) as u32)), "KV slot {kv} lies in a state slot page");
         }
     }
 
     /// What a step's kept rows leave in their state slots: `covered(entry, row)` -> tokens
     /// covered (None: garbage, the step was not committed).
-    fn write_states(
-        &mut self,
-        plan: &StepPlan,
-        covered: impl Fn(&_core::PlanEntry, usize) -> Option<usize>,
-    ) {
+    fn write_states(&mut self, plan: &StepPlan, covered: impl Fn(&_core::PlanEntry, usize) -> Option<usize>) {
         if !self.s.config().state_slots {
             return;
         }
-        for &kv in plan
-            .target
-            .slot_mapping
-            .iter()
-            .chain(&plan.draft.slot_mapping)
-        {
+        for &kv in plan.target.slot_mapping.iter().chain(&plan.draft.slot_mapping) {
             self.state.insert((kv / self.ps as i64) as u32, None);
         }
         for e in &plan.entries {
             for row in 0..e.num_rows() {
                 let w = plan.state_write[e.q_start + row];
                 if w >= 0 {
-                    self.state
-                        .insert(w as u32, covered(e, row).map(|n| (e.handle, n)));
+                    self.state.insert(w as u32, covered(e, row).map(|n| (e.handle, n)));
                 }
             }
         }
@@ -876,44 +611,20 @@ impl Harness {
     }
 
     fn commit(&mut self, ticket: StepTicket, plan: &StepPlan, accepted: &[u32], sampled: &[u32]) {
-        let before: HashMap<u64, (Phase, usize)> = plan
-            .entries
-            .iter()
-            .filter(|e| self.model.contains_key(&e.handle))
-            .map(|e| (e.handle, self.state(e.handle)))
-            .collect();
-        let out = self
-            .s
-            .commit(ticket, accepted, sampled)
-            .map_err(|r| r.error)
-            .unwrap();
+        let before: HashMap<u64, (Phase, usize)> =
+            plan.entries.iter().filter(|e| self.model.contains_key(&e.handle)).map(|e| (e.handle, self.state(e.handle))).collect();
+        let out = self.s.commit(ticket, accepted, sampled).map_err(|r| r.error).unwrap();
         // Row t of an entry keeps the state of its tokens through that row (rejected rows'
         // states are never read: the committed slot moves to the last accepted row's).
-        let alive: HashMap<u64, u32> = plan
-            .entries
-            .iter()
-            .zip(accepted)
-            .filter(|(e, _)| before.contains_key(&e.handle))
-            .map(|(e, &a)| (e.handle, a))
-            .collect();
+        let alive: HashMap<u64, u32> =
+            plan.entries.iter().zip(accepted).filter(|(e, _)| before.contains_key(&e.handle)).map(|(e, &a)| (e.handle, a)).collect();
         self.write_states(plan, |e, row| match (alive.get(&e.handle), e.kind) {
             (Some(_), EntryKind::Prefill { start, .. }) => Some(start + row + 1),
-            (Some(&a), EntryKind::Decode { committed }) if row <= a as usize => {
-                Some(committed + row + 1)
-            }
+            (Some(&a), EntryKind::Decode { committed }) if row <= a as usize => Some(committed + row + 1),
             _ => None, // aborted before commit, or a rejected row
         });
-        let live: Vec<_> = plan
-            .entries
-            .iter()
-            .zip(accepted)
-            .filter(|(e, _)| before.contains_key(&e.handle))
-            .collect();
-        assert_eq!(
-            out.handles.len(),
-            live.len(),
-            "one result per still-live planned request"
-        );
+        let live: Vec<_> = plan.entries.iter().zip(accepted).filter(|(e, _)| before.contains_key(&e.handle)).collect();
+        assert_eq!(out.handles.len(), live.len(), "one result per still-live planned request");
         // Acceptance: what each still-live decode entry proposed and accepted.
         let decoded: Vec<(u64, usize, usize)> = live
             .iter()
@@ -933,11 +644,8 @@ impl Harness {
         for (i, (e, &a)) in live.into_iter().enumerate() {
             let h = out.handles[i];
             assert_eq!(h, e.handle);
-            let new_tokens: Vec<u32> = out.tokens
-                [out.offsets[i] as usize..out.offsets[i + 1] as usize]
-                .iter()
-                .map(|&t| t as u32)
-                .collect();
+            let new_tokens: Vec<u32> =
+                out.tokens[out.offsets[i] as usize..out.offsets[i + 1] as usize].iter().map(|&t| t as u32).collect();
             let m = self.model.get_mut(&h).unwrap();
             let s = &sampled[e.sample_start..e.sample_start + e.num_samples];
             let offered: Vec<u32> = match e.kind {
@@ -969,12 +677,9 @@ impl Harness {
             for &(slot, c) in &rows[&h] {
                 let pos = match c {
                     RowContent::Known(pos) => Some(pos),
-                    RowContent::Verify { committed, i } => {
-                        Some(committed + i).filter(|&p| p < committed_now)
-                    }
+                    RowContent::Verify { committed, i } => Some(committed + i).filter(|&p| p < committed_now),
                 };
-                self.content
-                    .insert(slot, pos.map(|p| tokens[..=p].to_vec()));
+                self.content.insert(slot, pos.map(|p| tokens[..=p].to_vec()));
             }
             if finish.is_some() {
                 let m = self.model.remove(&h).unwrap();
@@ -1014,22 +719,8 @@ fn run_with(
     schedule: Vec<(usize, usize)>,
     draft_block_rows: usize,
 ) {
-    let policy = if schedule.is_empty() {
-        DraftLenPolicy::Fixed
-    } else {
-        DraftLenPolicy::Schedule(schedule)
-    };
-    run_policy(
-        ops,
-        num_pages,
-        k,
-        budget,
-        weak_hash,
-        policy,
-        draft_block_rows,
-        None,
-        false,
-    );
+    let policy = if schedule.is_empty() { DraftLenPolicy::Fixed } else { DraftLenPolicy::Schedule(schedule) };
+    run_policy(ops, num_pages, k, budget, weak_hash, policy, draft_block_rows, None, false);
 }
 
 /// Step costs handed to the core before operation `at` (or before draining): buckets and
@@ -1049,19 +740,7 @@ fn run_policy(
     costs: Option<CostsAt>,
     skew: bool,
 ) -> Vec<usize> {
-    run_full(
-        ops,
-        num_pages,
-        k,
-        budget,
-        weak_hash,
-        policy,
-        draft_block_rows,
-        costs,
-        skew,
-        false,
-        None,
-    )
+    run_full(ops, num_pages, k, budget, weak_hash, policy, draft_block_rows, costs, skew, false, None)
 }
 
 /// `run_policy` for a hybrid target too (`state_slots`: recurrent-state slots from the pool,
@@ -1098,29 +777,17 @@ fn run_full(
     s.set_mixed_step_limit(mixed).unwrap();
     if weak_hash {
         // Four hash values in all: nearly every lookup and publication meets a collision.
-        s.pool().set_hash_fn(|_, parent, toks| {
-            (parent + toks.iter().map(|&t| t as u64).sum::<u64>()) % 4
-        });
+        s.pool().set_hash_fn(|_, parent, toks| (parent + toks.iter().map(|&t| t as u64).sum::<u64>()) % 4);
     }
     let reserve = (k + 1).max(draft_block_rows);
     let mut dl = DraftLenRef::new(k, adaptive_policy);
     dl.skew = skew;
-    let mut h = Harness {
-        s,
-        dl,
-        model: HashMap::new(),
-        content: HashMap::new(),
-        next_id: 0,
-        b: k + 1,
-        reserve,
-        ps: 4,
-        state: HashMap::new(),
-    };
+    let mut h =
+        Harness { s, dl, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, reserve, ps: 4, state: HashMap::new() };
     let mut costs = costs;
     let mut hand_over_costs = |h: &mut Harness, now: bool| {
         if let Some((_, buckets, seconds)) = costs.take_if(|c| now || c.0 == 0) {
-            let step_costs =
-                StepCosts::new(buckets.clone(), (0..=k).collect(), seconds.clone()).unwrap();
+            let step_costs = StepCosts::new(buckets.clone(), (0..=k).collect(), seconds.clone()).unwrap();
             h.s.set_step_costs(step_costs).unwrap();
             h.dl.costs = Some((buckets, seconds));
         }
@@ -1131,18 +798,8 @@ fn run_full(
     for op in ops {
         hand_over_costs(&mut h, false);
         match op {
-            Op::Add {
-                family,
-                shared,
-                own,
-                max_tokens,
-                stop,
-            } => h.add_family(family, shared, own, max_tokens, stop),
-            Op::AddFollowUp {
-                pick,
-                own,
-                max_tokens,
-            } => h.add_follow_up(pick, own, max_tokens),
+            Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),
+            Op::AddFollowUp { pick, own, max_tokens } => h.add_follow_up(pick, own, max_tokens),
             Op::Step { seed } => {
                 if let Some((t, p, a, s)) = h.plan(seed) {
                     h.commit(t, &p, &a, &s);
@@ -1159,28 +816,17 @@ fn run_full(
                 h.model.remove(&victim);
                 h.check();
                 // A refused commit changes nothing and returns the ticket.
-                let snapshot: Vec<(u64, Vec<u32>)> = h
-                    .model
-                    .keys()
-                    .map(|k| (*k, h.s.request(*k).unwrap().tokens().to_vec()))
-                    .collect();
+                let snapshot: Vec<(u64, Vec<u32>)> =
+                    h.model.keys().map(|k| (*k, h.s.request(*k).unwrap().tokens().to_vec())).collect();
                 let cached = h.s.pool().num_cached();
                 let mut too_many = a.clone();
                 too_many[0] = p.entries[0].num_drafts() as u32 + 1;
                 let refused = h.s.commit(t, &too_many, &s).unwrap_err();
                 assert!(matches!(refused.error, CoreError::InvalidCommit(_)));
                 for (k, toks) in snapshot {
-                    assert_eq!(
-                        h.s.request(k).unwrap().tokens(),
-                        &toks[..],
-                        "a refused commit changed state"
-                    );
+                    assert_eq!(h.s.request(k).unwrap().tokens(), &toks[..], "a refused commit changed state");
                 }
-                assert_eq!(
-                    h.s.pool().num_cached(),
-                    cached,
-                    "a refused commit published pages"
-                );
+                assert_eq!(h.s.pool().num_cached(), cached, "a refused commit published pages");
                 h.commit(refused.ticket, &p, &a, &s);
             }
             Op::StepThenCancel { seed } => {
@@ -1188,11 +834,7 @@ fn run_full(
                     let cached = h.s.pool().num_cached();
                     h.s.cancel(t).unwrap();
                     assert_eq!(h.s.outstanding_step(), None);
-                    assert_eq!(
-                        h.s.pool().num_cached(),
-                        cached,
-                        "a cancelled step published pages"
-                    );
+                    assert_eq!(h.s.pool().num_cached(), cached, "a cancelled step published pages");
                     h.scribble(&p);
                     h.check();
                 }
@@ -1210,29 +852,14 @@ fn run_full(
         }
     }
     assert_eq!(h.s.num_live(), 0, "requests left after draining");
-    assert_eq!(
-        h.s.num_free_pages(),
-        num_pages - 1,
-        "pool not full after all requests finished"
-    );
+    assert_eq!(h.s.num_free_pages(), num_pages - 1, "pool not full after all requests finished");
     assert!(h.s.prefix_cache_hits() <= h.s.prefix_cache_queries());
     h.s.pool().check_integrity().unwrap();
     // Every planned step with decoding requests is counted under its K.
     for (kk, n) in h.s.draft_len().counts() {
-        assert_eq!(
-            n as usize,
-            h.dl.chosen.iter().filter(|&&c| c == kk).count(),
-            "steps counted under k = {kk}"
-        );
+        assert_eq!(n as usize, h.dl.chosen.iter().filter(|&&c| c == kk).count(), "steps counted under k = {kk}");
     }
-    assert_eq!(
-        h.s.draft_len()
-            .counts()
-            .iter()
-            .map(|&(_, n)| n as usize)
-            .sum::<usize>(),
-        h.dl.chosen.len()
-    );
+    assert_eq!(h.s.draft_len().counts().iter().map(|&(_, n)| n as usize).sum::<usize>(), h.dl.chosen.len());
     h.dl.chosen
 }
 
@@ -1340,34 +967,12 @@ proptest! {
 #[test]
 fn shared_prefixes_hit_in_the_harness() {
     let ops = vec![
-        Op::Add {
-            family: 0,
-            shared: 30,
-            own: 2,
-            max_tokens: 4,
-            stop: false,
-        },
+        Op::Add { family: 0, shared: 30, own: 2, max_tokens: 4, stop: false },
         Op::Step { seed: 1 },
-        Op::Add {
-            family: 0,
-            shared: 30,
-            own: 3,
-            max_tokens: 4,
-            stop: false,
-        },
-        Op::Add {
-            family: 1,
-            shared: 20,
-            own: 0,
-            max_tokens: 4,
-            stop: false,
-        },
+        Op::Add { family: 0, shared: 30, own: 3, max_tokens: 4, stop: false },
+        Op::Add { family: 1, shared: 20, own: 0, max_tokens: 4, stop: false },
         Op::Step { seed: 2 },
-        Op::AddFollowUp {
-            pick: 0,
-            own: 2,
-            max_tokens: 3,
-        },
+        Op::AddFollowUp { pick: 0, own: 2, max_tokens: 3 },
         Op::Step { seed: 3 },
         Op::Step { seed: 4 },
     ];
@@ -1384,31 +989,11 @@ fn shared_prefixes_hit_in_the_harness() {
         draft_block_rows: 0,
         state_slots: false,
     };
-    let mut h = Harness {
-        s: Scheduler::new(cfg).unwrap(),
-        dl: DraftLenRef::new(3, false),
-        model: HashMap::new(),
-        content: HashMap::new(),
-        next_id: 0,
-        b: 4,
-        reserve: 4,
-        ps: 4,
-        state: HashMap::new(),
-    };
+    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), dl: DraftLenRef::new(3, false), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, reserve: 4, ps: 4, state: HashMap::new() };
     for op in ops {
         match op {
-            Op::Add {
-                family,
-                shared,
-                own,
-                max_tokens,
-                stop,
-            } => h.add_family(family, shared, own, max_tokens, stop),
-            Op::AddFollowUp {
-                pick,
-                own,
-                max_tokens,
-            } => h.add_follow_up(pick, own, max_tokens),
+            Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),
+            Op::AddFollowUp { pick, own, max_tokens } => h.add_follow_up(pick, own, max_tokens),
             Op::Step { seed } => {
                 if let Some((t, p, a, s)) = h.plan(seed) {
                     h.commit(t, &p, &a, &s);
@@ -1419,11 +1004,7 @@ fn shared_prefixes_hit_in_the_harness() {
     }
     // Second request: 7 pages of family 0; third: page 0 holds 4 of the 6 common tokens, page 1
     // diverges at token 6; the follow-up shares everything its parent committed.
-    assert!(
-        h.s.prefix_cache_hits() >= 28 + 4,
-        "hits: {}",
-        h.s.prefix_cache_hits()
-    );
+    assert!(h.s.prefix_cache_hits() >= 28 + 4, "hits: {}", h.s.prefix_cache_hits());
 }
 
 /// The Adaptive property above would pass vacuously if every step drafted K: with a cost
@@ -1432,35 +1013,12 @@ fn shared_prefixes_hit_in_the_harness() {
 fn adaptive_harness_sees_several_draft_lengths() {
     let mut ops = Vec::new();
     for i in 0..12 {
-        ops.push(Op::Add {
-            family: i % 3,
-            shared: 0,
-            own: 3,
-            max_tokens: 20,
-            stop: false,
-        });
-        ops.extend((0..6).map(|s| Op::Step {
-            seed: i as u64 * 10 + s,
-        }));
+        ops.push(Op::Add { family: i % 3, shared: 0, own: 3, max_tokens: 20, stop: false });
+        ops.extend((0..6).map(|s| Op::Step { seed: i as u64 * 10 + s }));
     }
     let seconds = vec![vec![1.0, 1.6, 1.9, 2.2], vec![1.0, 1.8, 2.4, 3.0]];
-    let policy = DraftLenPolicy::Adaptive {
-        candidates: vec![0, 1, 2, 3],
-    };
-    let chosen = run_policy(
-        ops,
-        60,
-        3,
-        64,
-        false,
-        policy,
-        0,
-        Some((0, vec![1, 4], seconds)),
-        true,
-    );
+    let policy = DraftLenPolicy::Adaptive { candidates: vec![0, 1, 2, 3] };
+    let chosen = run_policy(ops, 60, 3, 64, false, policy, 0, Some((0, vec![1, 4], seconds)), true);
     let seen: std::collections::BTreeSet<usize> = chosen.iter().copied().collect();
-    assert!(
-        seen.contains(&0) && seen.contains(&3) && seen.len() >= 3,
-        "chosen: {chosen:?}"
-    );
+    assert!(seen.contains(&0) && seen.contains(&3) && seen.len() >= 3, "chosen: {chosen:?}");
 }
