@@ -178,13 +178,17 @@ impl DraftLenPolicy {
             }
             DraftLenPolicy::Adaptive { candidates } => {
                 if k_max == 0 {
-                    return Err("the adaptive draft-length policy needs speculation (num_speculative_tokens >= 1)".into());
+                    return Err(
+                        "the adaptive draft-length policy needs speculation (num_speculative_tokens >= 1)".into()
+                    );
                 }
                 if let Some(k) = candidates.iter().find(|&&k| k > k_max) {
                     return Err(format!("draft-length candidate {k} is past num_speculative_tokens ({k_max})"));
                 }
                 if !candidates.contains(&k_max) {
-                    return Err(format!("draft-length candidates {candidates:?} must include num_speculative_tokens ({k_max})"));
+                    return Err(format!(
+                        "draft-length candidates {candidates:?} must include num_speculative_tokens ({k_max})"
+                    ));
                 }
                 if self.choices(k_max).len() != candidates.len() {
                     return Err(format!("draft-length candidates {candidates:?} repeat a value"));
@@ -550,7 +554,12 @@ impl DraftLen {
 
     pub(crate) fn check(&self, is_live: impl Fn(u64) -> bool) -> Result<(), String> {
         self.global.check().map_err(|m| format!("global acceptance counts: {m}"))?;
-        if let Some((k, c)) = self.calibration.iter().enumerate().find(|(_, c)| !(c.0.is_finite() && c.1.is_finite() && c.0 >= 0.0 && c.1 >= 0.0)) {
+        if let Some((k, c)) = self
+            .calibration
+            .iter()
+            .enumerate()
+            .find(|(_, c)| !(c.0.is_finite() && c.1.is_finite() && c.0 >= 0.0 && c.1 >= 0.0))
+        {
             return Err(format!("calibration sums of position {}: {c:?}", k + 1));
         }
         for (h, c) in &self.requests {
@@ -582,7 +591,6 @@ pub fn expected_tokens(p: &[f64]) -> Vec<f64> {
     }
     out
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -680,8 +688,12 @@ mod tests {
     fn cheap_drafts_and_high_acceptance_draft_the_most() {
         let mut d = adaptive(7, (0..=7).collect());
         measured(&mut d, &[0.95; 7]);
-        d.set_step_costs(costs(vec![1, 8], (0..=7).collect(), vec![(0..=7).map(|k| 1.0 + 0.02 * k as f64).collect(); 2]))
-            .unwrap();
+        d.set_step_costs(costs(
+            vec![1, 8],
+            (0..=7).collect(),
+            vec![(0..=7).map(|k| 1.0 + 0.02 * k as f64).collect(); 2],
+        ))
+        .unwrap();
         assert_eq!(d.choose(&[1]), 7);
         assert_eq!(d.choose(&[1, 2, 3]), 7);
     }
@@ -787,7 +799,10 @@ mod tests {
         assert!(probes.len() as u64 <= steps / 8, "{probes:?}");
         assert!(probes.windows(2).all(|w| w[1] - w[0] >= 8), "{probes:?}");
         assert!(d.global_estimates()[0] < 0.35, "{:?}", d.global_estimates());
-        assert!(d.global.trials[0] > 0.0 && d.global.accepts[0] == 0.0 && d.global != global, "the probes were learnt from");
+        assert!(
+            d.global.trials[0] > 0.0 && d.global.accepts[0] == 0.0 && d.global != global,
+            "the probes were learnt from"
+        );
     }
 
     #[test]

@@ -25,11 +25,17 @@ impl Param {
 pub enum CoreError {
     InvalidConfig(String),
     /// The request can never be served (too long for the model or the pool, bad input).
-    Rejected { request_id: String, param: Param, reason: String },
+    Rejected {
+        request_id: String,
+        param: Param,
+        reason: String,
+    },
     DuplicateRequest(String),
     UnknownRequest(String),
     /// `schedule()` while the previous plan is neither committed nor cancelled.
-    PlanOutstanding { step_id: u64 },
+    PlanOutstanding {
+        step_id: u64,
+    },
     /// A plan that is not the outstanding one, or whose requests were aborted or preempted.
     StalePlan(String),
     /// Results that do not fit the plan (wrong lengths, more accepted than proposed).
@@ -45,10 +51,9 @@ impl fmt::Display for CoreError {
             }
             CoreError::DuplicateRequest(id) => write!(f, "request id {id:?} is already in use"),
             CoreError::UnknownRequest(id) => write!(f, "unknown request {id}"),
-            CoreError::PlanOutstanding { step_id } => write!(
-                f,
-                "plan of step {step_id} is still outstanding: commit or cancel it before scheduling again"
-            ),
+            CoreError::PlanOutstanding { step_id } => {
+                write!(f, "plan of step {step_id} is still outstanding: commit or cancel it before scheduling again")
+            }
             CoreError::StalePlan(m) => write!(f, "stale plan: {m}"),
             CoreError::InvalidCommit(m) => write!(f, "invalid commit: {m}"),
         }

@@ -28,4 +28,6 @@ pub use error::{CoreError, CoreResult, Param};
 pub use page_pool::{PageId, PageList, PagePool, NULL_PAGE};
 pub use plan::{draft_pass_rows, EntryKind, PassArrays, PlanEntry, StepPlan, StepTicket};
 pub use request::{Applied, FinishReason, Phase, Request};
-pub use scheduler::{pages_per_seq, state_slots_per_seq, CommitBatch, MixedStepLimit, Refused, Scheduler, SchedulerConfig};
+pub use scheduler::{
+    pages_per_seq, state_slots_per_seq, CommitBatch, MixedStepLimit, Refused, Scheduler, SchedulerConfig,
+};

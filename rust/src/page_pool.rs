@@ -429,7 +429,10 @@ impl PagePool {
                     return Err(format!("published page {p} is not indexed under its hash"));
                 }
                 if m.entry == ROOT_ENTRY || m.entry >= st.next_entry || m.parent >= m.entry {
-                    return Err(format!("page {p}: entry {} with parent {} is not a valid publication", m.entry, m.parent));
+                    return Err(format!(
+                        "page {p}: entry {} with parent {} is not a valid publication",
+                        m.entry, m.parent
+                    ));
                 }
             }
         }

@@ -99,7 +99,11 @@ impl PassArrays {
 /// one definition (the scheduler, the profile plan and, through the binding, the runner's
 /// graph buffers use it).
 pub fn draft_pass_rows(block_rows: usize, draft_block_rows: usize) -> usize {
-    if block_rows > 1 { block_rows.max(draft_block_rows) } else { 0 }
+    if block_rows > 1 {
+        block_rows.max(draft_block_rows)
+    } else {
+        0
+    }
 }
 
 /// The draft pass of a step: one block of `rows` (D) rows per decoding request.

@@ -85,7 +85,14 @@ pub fn profile_plan(
             let keeps = |t: usize| matches!(kind, EntryKind::Decode { .. }) || t + 1 == q;
             plan.state_write.extend((0..q).map(|t| if keeps(t) { 1 } else { -1 }));
         }
-        plan.entries.push(PlanEntry { handle: i as u64, kind, q_start, sample_start, num_samples, state_writes: Vec::new() });
+        plan.entries.push(PlanEntry {
+            handle: i as u64,
+            kind,
+            q_start,
+            sample_start,
+            num_samples,
+            state_writes: Vec::new(),
+        });
     }
     Ok(plan)
 }

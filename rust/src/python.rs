@@ -8,10 +8,10 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
+use crate::draft_len::{draft_len_for, DraftLenPolicy, StepCosts};
 use crate::error::{CoreError, Param};
 use crate::plan::{StepPlan, StepTicket};
 use crate::request::FinishReason;
-use crate::draft_len::{draft_len_for, DraftLenPolicy, StepCosts};
 use crate::scheduler::{pages_per_seq, state_slots_per_seq, MixedStepLimit, Scheduler, SchedulerConfig};
 
 mod exc {
@@ -33,7 +33,13 @@ static REQUEST_REJECTED: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 fn request_rejected_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     REQUEST_REJECTED
         .get_or_try_init(py, || {
-            let bases = PyTuple::new(py, [py.get_type::<exc::CoreError>().into_any(), py.get_type::<pyo3::exceptions::PyValueError>().into_any()])?;
+            let bases = PyTuple::new(
+                py,
+                [
+                    py.get_type::<exc::CoreError>().into_any(),
+                    py.get_type::<pyo3::exceptions::PyValueError>().into_any(),
+                ],
+            )?;
             let ns = PyDict::new(py);
             ns.set_item("__doc__", "The request can never be served; `param` names the offending parameter.")?;
             ns.set_item("__module__", "dflash_engine._core")?;
@@ -69,21 +75,30 @@ fn to_py(e: CoreError) -> PyErr {
 /// Non-negative integers, a negative one a `ValueError` naming `what`.
 fn counts_vec(v: Vec<i64>, what: &str) -> PyResult<Vec<usize>> {
     v.into_iter()
-        .map(|x| usize::try_from(x).map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("{what}: {x} is negative"))))
+        .map(|x| {
+            usize::try_from(x).map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("{what}: {x} is negative")))
+        })
         .collect()
 }
 
 /// The draft-length policy by name. A non-empty `schedule` with "fixed" (the default) is the
 /// Schedule policy (the keyword that predates the policy); "adaptive" with no candidates
 /// considers every k in 0..=k_max.
-fn parse_policy(name: &str, schedule: Vec<(usize, usize)>, candidates: Vec<usize>, k_max: usize) -> PyResult<DraftLenPolicy> {
+fn parse_policy(
+    name: &str,
+    schedule: Vec<(usize, usize)>,
+    candidates: Vec<usize>,
+    k_max: usize,
+) -> PyResult<DraftLenPolicy> {
     let err = |m: String| Err(pyo3::exceptions::PyValueError::new_err(m));
     match name {
         "fixed" | "schedule" if !candidates.is_empty() => {
             err(format!("draft_len_candidates need draft_len_policy='adaptive', not {name:?}"))
         }
         "fixed" if schedule.is_empty() => Ok(DraftLenPolicy::Fixed),
-        "schedule" if schedule.is_empty() => err("draft_len_policy='schedule' needs a non-empty draft_len_schedule".into()),
+        "schedule" if schedule.is_empty() => {
+            err("draft_len_policy='schedule' needs a non-empty draft_len_schedule".into())
+        }
         "fixed" | "schedule" => Ok(DraftLenPolicy::Schedule(schedule)),
         "adaptive" if !schedule.is_empty() => {
             err("give either a draft_len_schedule or draft_len_policy='adaptive', not both".into())
@@ -96,7 +111,9 @@ fn parse_policy(name: &str, schedule: Vec<(usize, usize)>, candidates: Vec<usize
 
 fn parse_reason(reason: &str) -> PyResult<FinishReason> {
     FinishReason::from_name(reason).ok_or_else(|| {
-        pyo3::exceptions::PyValueError::new_err(format!("unknown finish reason {reason:?} (stop, length, abort, error)"))
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "unknown finish reason {reason:?} (stop, length, abort, error)"
+        ))
     })
 }
 
@@ -638,13 +655,13 @@ impl PyScheduler {
         max_tokens: &Bound<'_, PyAny>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
-        let reject = |param: Param| move |m: String| rejected(py, param, format!("request {request_id:?} rejected: {m}"));
+        let reject =
+            |param: Param| move |m: String| rejected(py, param, format!("request {request_id:?} rejected: {m}"));
         let prompt = u32_vec(prompt_token_ids, "prompt_token_ids", reject(Param::Prompt))?;
-        let max_tokens: usize = max_tokens
-            .extract::<u64>()
-            .ok()
-            .and_then(|v| usize::try_from(v).ok())
-            .ok_or_else(|| reject(Param::MaxTokens)(format!("max_tokens must be a non-negative integer, got {max_tokens}")))?;
+        let max_tokens: usize =
+            max_tokens.extract::<u64>().ok().and_then(|v| usize::try_from(v).ok()).ok_or_else(|| {
+                reject(Param::MaxTokens)(format!("max_tokens must be a non-negative integer, got {max_tokens}"))
+            })?;
         let stops = match stop_token_ids {
             Some(s) => u32_vec(s, "stop_token_ids", reject(Param::StopTokenIds))?,
             None => Vec::new(),
@@ -737,7 +754,8 @@ impl PyScheduler {
     /// drafting `ks[j]` (0: a plain decode step). Bad shapes or costs raise `ValueError`.
     fn set_step_costs(&mut self, buckets: Vec<i64>, ks: Vec<i64>, seconds: Vec<Vec<f64>>) -> PyResult<()> {
         let value_error = |e: CoreError| pyo3::exceptions::PyValueError::new_err(e.to_string());
-        let costs = StepCosts::new(counts_vec(buckets, "buckets")?, counts_vec(ks, "ks")?, seconds).map_err(value_error)?;
+        let costs =
+            StepCosts::new(counts_vec(buckets, "buckets")?, counts_vec(ks, "ks")?, seconds).map_err(value_error)?;
         self.inner.set_step_costs(costs).map_err(value_error)
     }
 
@@ -904,7 +922,14 @@ fn py_profile_plan(
     state_slots: bool,
 ) -> PyResult<PyStepPlan> {
     let plan = crate::profile::profile_plan(
-        num_tokens, max_num_seqs, block_rows, draft_block_rows, reserve_rows, max_model_len, page_size, mask_token_id,
+        num_tokens,
+        max_num_seqs,
+        block_rows,
+        draft_block_rows,
+        reserve_rows,
+        max_model_len,
+        page_size,
+        mask_token_id,
         state_slots,
     )
     .map_err(to_py)?;

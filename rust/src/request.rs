@@ -49,7 +49,8 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
-    pub const ALL: [FinishReason; 4] = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Error];
+    pub const ALL: [FinishReason; 4] =
+        [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Error];
 
     /// Names by code (`code()` indexes this; 0 = still running).
     pub const NAMES: [Option<&'static str>; 5] = [None, Some("stop"), Some("length"), Some("abort"), Some("error")];
@@ -75,7 +76,9 @@ impl FinishReason {
 pub enum Phase {
     Waiting,
     /// `computed` tokens have KV; the target of prefill is `Request::prefill_target()`.
-    Prefilling { computed: usize },
+    Prefilling {
+        computed: usize,
+    },
     /// `tokens.len() - 1` tokens have KV; the last token is the bonus, not yet in any KV.
     Decoding,
     /// Evicted by recompute: everything it held is freed; it will prefill its known tokens again.
@@ -168,7 +171,8 @@ impl Request {
     /// The first `n` owned slots other than the committed one: where a step writes the
     /// states it keeps (row t of a verify block -> slot t; a prefill chunk's last row -> 0).
     pub(crate) fn state_writes(&self, n: usize) -> Vec<PageId> {
-        let w: Vec<PageId> = self.state.pages().iter().copied().filter(|&p| Some(p) != self.committed_slot).take(n).collect();
+        let w: Vec<PageId> =
+            self.state.pages().iter().copied().filter(|&p| Some(p) != self.committed_slot).take(n).collect();
         assert_eq!(w.len(), n, "request {}: {} state slots cannot take {n} writes", self.id, self.state.len());
         w
     }
@@ -176,7 +180,11 @@ impl Request {
     /// A step's kept row wrote `slot` (one of `state_writes`): its state is now the
     /// committed one (an index update; the previous committed slot becomes a spare).
     pub(crate) fn commit_state(&mut self, slot: PageId) {
-        assert!(self.state.pages().contains(&slot), "request {}: committing state slot {slot} it does not own", self.id);
+        assert!(
+            self.state.pages().contains(&slot),
+            "request {}: committing state slot {slot} it does not own",
+            self.id
+        );
         self.committed_slot = Some(slot);
     }
 

@@ -98,12 +98,20 @@ impl SchedulerConfig {
     /// State slots a decoding request holds: the committed one and one per row of the
     /// largest verify block (0 without state). The admission bound counts them.
     pub fn state_slots_per_seq(&self) -> usize {
-        if self.state_slots { state_slots_per_seq(self.num_speculative_tokens) } else { 0 }
+        if self.state_slots {
+            state_slots_per_seq(self.num_speculative_tokens)
+        } else {
+            0
+        }
     }
 
     /// State slots a prefilling request holds: the committed one and its chunk's last row's.
     pub fn prefill_state_slots(&self) -> usize {
-        if self.state_slots { 2 } else { 0 }
+        if self.state_slots {
+            2
+        } else {
+            0
+        }
     }
 
     /// B of a step with `num_decoding` decoding requests under a static policy (Fixed,
@@ -131,7 +139,8 @@ impl SchedulerConfig {
         if let Err(m) = self.draft_len_policy.validate(self.num_speculative_tokens) {
             return bad(m);
         }
-        if self.draft_block_rows != 0 && (self.num_speculative_tokens == 0 || self.draft_block_rows < self.block_rows()) {
+        if self.draft_block_rows != 0 && (self.num_speculative_tokens == 0 || self.draft_block_rows < self.block_rows())
+        {
             return bad(format!(
                 "draft_block_rows ({}) needs speculation and must be >= num_speculative_tokens + 1 ({})",
                 self.draft_block_rows,
@@ -327,7 +336,8 @@ impl Scheduler {
         if self.ids.contains_key(id) {
             return Err(CoreError::DuplicateRequest(id.to_string()));
         }
-        let reject = |param: Param, reason: String| Err(CoreError::Rejected { request_id: id.to_string(), param, reason });
+        let reject =
+            |param: Param, reason: String| Err(CoreError::Rejected { request_id: id.to_string(), param, reason });
         if prompt.is_empty() {
             return reject(Param::Prompt, "the prompt is empty".into());
         }
@@ -336,27 +346,33 @@ impl Scheduler {
         }
         let total = prompt.len() + max_tokens;
         if prompt.len() >= self.cfg.max_model_len {
-            return reject(Param::Prompt, format!(
-                "the prompt ({} tokens) leaves no room to generate within max_model_len ({})",
-                prompt.len(),
-                self.cfg.max_model_len
-            ));
+            return reject(
+                Param::Prompt,
+                format!(
+                    "the prompt ({} tokens) leaves no room to generate within max_model_len ({})",
+                    prompt.len(),
+                    self.cfg.max_model_len
+                ),
+            );
         }
         if total > self.cfg.max_model_len {
-            return reject(Param::MaxTokens, format!(
-                "prompt ({} tokens) + max_tokens ({max_tokens}) = {total} exceeds max_model_len ({})",
-                prompt.len(),
-                self.cfg.max_model_len
-            ));
+            return reject(
+                Param::MaxTokens,
+                format!(
+                    "prompt ({} tokens) + max_tokens ({max_tokens}) = {total} exceeds max_model_len ({})",
+                    prompt.len(),
+                    self.cfg.max_model_len
+                ),
+            );
         }
         let pages = pages_per_seq(total, self.cfg.reserve_rows(), self.cfg.page_size);
         let slots = self.cfg.state_slots_per_seq();
         if pages + slots > self.pool.num_usable() {
             let with = if slots > 0 { format!(" and {slots} state slots") } else { String::new() };
-            return reject(Param::Prompt, format!(
-                "needs {pages} KV pages{with} at full length but the pool has {}",
-                self.pool.num_usable()
-            ));
+            return reject(
+                Param::Prompt,
+                format!("needs {pages} KV pages{with} at full length but the pool has {}", self.pool.num_usable()),
+            );
         }
         let handle = self.next_handle;
         self.next_handle += 1;
@@ -457,7 +473,8 @@ impl Scheduler {
             };
             let rows = kind.num_rows(b);
             // A decode step's draft block may reach past its verify block (draft_block_rows).
-            let reach = if matches!(kind, EntryKind::Decode { .. }) { rows.max(self.cfg.draft_block_rows) } else { rows };
+            let reach =
+                if matches!(kind, EntryKind::Decode { .. }) { rows.max(self.cfg.draft_block_rows) } else { rows };
             let need_tokens = req.num_computed() + reach;
             if rows == 0 || rows > budget {
                 i += 1;
@@ -639,9 +656,10 @@ impl Scheduler {
     /// Takes the outstanding record if `ticket` is its ticket.
     fn redeem(&mut self, ticket: &StepTicket) -> CoreResult<Outstanding> {
         match &self.outstanding {
-            _ if ticket.scheduler() != self.id => {
-                Err(CoreError::StalePlan(format!("the ticket of step {} belongs to another scheduler", ticket.step_id())))
-            }
+            _ if ticket.scheduler() != self.id => Err(CoreError::StalePlan(format!(
+                "the ticket of step {} belongs to another scheduler",
+                ticket.step_id()
+            ))),
             Some(o) if o.step_id == ticket.step_id() => Ok(self.outstanding.take().expect("matched")),
             _ => Err(CoreError::StalePlan(format!("step {} is not the outstanding step", ticket.step_id()))),
         }
@@ -680,9 +698,11 @@ impl Scheduler {
             return Err(Refused { error, ticket });
         }
         // Acceptance is learned before any request of the step leaves (its counts die with it).
-        let decoded = o.entries.iter().zip(accepted).filter(|(e, _)| {
-            matches!(e.kind, EntryKind::Decode { .. }) && self.requests.contains_key(&e.handle)
-        });
+        let decoded = o
+            .entries
+            .iter()
+            .zip(accepted)
+            .filter(|(e, _)| matches!(e.kind, EntryKind::Decode { .. }) && self.requests.contains_key(&e.handle));
         self.draft_len.observe_step(decoded.map(|(e, &a)| (e.handle, e.num_drafts(), a as usize)));
         let n = o.entries.len();
         let mut out = CommitBatch {
@@ -827,7 +847,11 @@ impl Scheduler {
                     // duplicate of a page published first (then unpublished, refcount 1).
                     match meta {
                         Some(m) if m.entry != r.frozen_entries()[j] => {
-                            return Err(format!("request {h}: frozen page {p} is entry {} not {}", m.entry, r.frozen_entries()[j]))
+                            return Err(format!(
+                                "request {h}: frozen page {p} is entry {} not {}",
+                                m.entry,
+                                r.frozen_entries()[j]
+                            ))
                         }
                         None if self.pool.refcount(p) != 1 => {
                             return Err(format!("request {h}: unpublished page {p} is shared"))
@@ -900,7 +924,14 @@ impl Scheduler {
 
 impl Scheduler {
     /// The state-slot invariants of one request (module doc); counts its slots in `owners`.
-    fn check_state_slots(&self, h: u64, r: &Request, in_step: bool, b: usize, owners: &mut [u32]) -> Result<(), String> {
+    fn check_state_slots(
+        &self,
+        h: u64,
+        r: &Request,
+        in_step: bool,
+        b: usize,
+        owners: &mut [u32],
+    ) -> Result<(), String> {
         let slots = r.state_slots();
         if !self.cfg.state_slots {
             return match (slots.is_empty(), r.committed_slot()) {
@@ -910,7 +941,9 @@ impl Scheduler {
         }
         for (j, &p) in slots.iter().enumerate() {
             if p == NULL_PAGE || slots[..j].contains(&p) || r.pages().pages().contains(&p) {
-                return Err(format!("request {h}: state slot {p} is the null page, held twice, or one of its KV pages"));
+                return Err(format!(
+                    "request {h}: state slot {p} is the null page, held twice, or one of its KV pages"
+                ));
             }
             if self.pool.cache_meta(p).is_some() {
                 return Err(format!("request {h}: state slot {p} is published"));
@@ -923,7 +956,11 @@ impl Scheduler {
             }
         }
         if r.committed_slot().is_some() != (r.num_computed() > 0) {
-            return Err(format!("request {h}: committed slot {:?} with {} computed tokens", r.committed_slot(), r.num_computed()));
+            return Err(format!(
+                "request {h}: committed slot {:?} with {} computed tokens",
+                r.committed_slot(),
+                r.num_computed()
+            ));
         }
         let need = match r.phase() {
             Phase::Prefilling { .. } => self.cfg.prefill_state_slots(),

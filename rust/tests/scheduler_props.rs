@@ -25,22 +25,41 @@
 use std::collections::HashMap;
 
 use _core::{
-    draft_len, pages_per_seq, state_slots_per_seq, CoreError, DraftLenPolicy, EntryKind, FinishReason, MixedStepLimit, Phase, Scheduler, SchedulerConfig,
-    StepCosts, StepPlan, StepTicket,
+    draft_len, pages_per_seq, state_slots_per_seq, CoreError, DraftLenPolicy, EntryKind, FinishReason, MixedStepLimit,
+    Phase, Scheduler, SchedulerConfig, StepCosts, StepPlan, StepTicket,
 };
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
     /// prompt = the first `shared` tokens of family `family` ++ `own` fresh tokens.
-    Add { family: usize, shared: usize, own: usize, max_tokens: usize, stop: bool },
+    Add {
+        family: usize,
+        shared: usize,
+        own: usize,
+        max_tokens: usize,
+        stop: bool,
+    },
     /// prompt = a live request's known tokens (prompt + output) ++ `own` fresh tokens: a
     /// second chat turn.
-    AddFollowUp { pick: usize, own: usize, max_tokens: usize },
-    Step { seed: u64 },
-    Abort { pick: usize },
-    StepThenAbortBeforeCommit { seed: u64, pick: usize },
-    StepThenCancel { seed: u64 },
+    AddFollowUp {
+        pick: usize,
+        own: usize,
+        max_tokens: usize,
+    },
+    Step {
+        seed: u64,
+    },
+    Abort {
+        pick: usize,
+    },
+    StepThenAbortBeforeCommit {
+        seed: u64,
+        pick: usize,
+    },
+    StepThenCancel {
+        seed: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -131,8 +150,17 @@ struct DraftLenRef {
 impl DraftLenRef {
     fn new(k: usize, adaptive: bool) -> Self {
         let global = (vec![0.0; k], vec![0.0; k]);
-        DraftLenRef { k, costs: None, skew: false, global, requests: HashMap::new(), chosen: Vec::new(),
-                      calibration: vec![(0.0, 0.0); k], adaptive, plain_since: 0 }
+        DraftLenRef {
+            k,
+            costs: None,
+            skew: false,
+            global,
+            requests: HashMap::new(),
+            chosen: Vec::new(),
+            calibration: vec![(0.0, 0.0); k],
+            adaptive,
+            plain_since: 0,
+        }
     }
 
     fn observe(c: &mut Counts, decay: f64, num_drafts: usize, accepted: usize) {
@@ -216,7 +244,11 @@ impl DraftLenRef {
         let n0 = draft_len::REQUEST_PRIOR_WEIGHT;
         let blend = |j: usize| {
             let w = n[j] / (n[j] + n0);
-            if n[j] > 0.0 { w * a[j] / n[j] + (1.0 - w) * g[j] } else { g[j] }
+            if n[j] > 0.0 {
+                w * a[j] / n[j] + (1.0 - w) * g[j]
+            } else {
+                g[j]
+            }
         };
         (0..self.k).map(blend).collect()
     }
@@ -251,13 +283,23 @@ impl DraftLenRef {
         let drafting: Vec<usize> = candidates.iter().copied().filter(|&k| k > 0).collect();
         let best_d = drafting.iter().map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
         // ... times the cost of the best drafting k over a plain step (the slowest of near ties).
-        let ratio = drafting.iter().filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
-            .map(|&k| row[k] / row[0]).fold(1.0_f64, f64::max);
-        let ratio_lo = drafting.iter().filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
-            .map(|&k| row[k] / row[0]).fold(f64::INFINITY, f64::min).max(1.0);
+        let ratio = drafting
+            .iter()
+            .filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
+            .map(|&k| row[k] / row[0])
+            .fold(1.0_f64, f64::max);
+        let ratio_lo = drafting
+            .iter()
+            .filter(|&&k| rate(k) >= best_d * (1.0 - 1e-9))
+            .map(|&k| row[k] / row[0])
+            .fold(f64::INFINITY, f64::min)
+            .max(1.0);
         let threshold = _core::draft_len::EXPLORE_AFTER as f64;
-        if set.contains(&0) && !drafting.is_empty() && zeros as f64 >= threshold * ratio_lo
-            && (zeros as f64) < threshold * ratio {
+        if set.contains(&0)
+            && !drafting.is_empty()
+            && zeros as f64 >= threshold * ratio_lo
+            && (zeros as f64) < threshold * ratio
+        {
             return candidates.to_vec(); // a near tie between drafting k's of different cost: either
         }
         if set.contains(&0) && zeros as f64 >= threshold * ratio && !drafting.is_empty() {
@@ -268,12 +310,18 @@ impl DraftLenRef {
         // Every PROBE_EVERY-th step drafts the runner-up when it is within PROBE_WITHIN of
         // the best (on a tie for the best, any of the tied).
         if self.chosen.len() as u64 % draft_len::PROBE_EVERY == draft_len::PROBE_EVERY - 1 && set.len() == 1 {
-            let second = candidates.iter().filter(|&&k| k != set[0]).map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
+            let second =
+                candidates.iter().filter(|&&k| k != set[0]).map(|&k| rate(k)).fold(f64::NEG_INFINITY, f64::max);
             if second >= draft_len::PROBE_WITHIN * best * (1.0 + 1e-9) {
-                return candidates.iter().copied().filter(|&k| k != set[0] && rate(k) >= second * (1.0 - 1e-9)).collect();
+                return candidates
+                    .iter()
+                    .copied()
+                    .filter(|&k| k != set[0] && rate(k) >= second * (1.0 - 1e-9))
+                    .collect();
             }
             if second >= draft_len::PROBE_WITHIN * best * (1.0 - 1e-9) {
-                let mut out: Vec<usize> = candidates.iter().copied().filter(|&k| rate(k) >= second * (1.0 - 1e-9)).collect();
+                let mut out: Vec<usize> =
+                    candidates.iter().copied().filter(|&k| rate(k) >= second * (1.0 - 1e-9)).collect();
                 out.sort_unstable();
                 return out; // on the threshold: either
             }
@@ -355,8 +403,12 @@ impl Harness {
                 let cfg = self.s.config();
                 let too_long = prompt_len + max_tokens > cfg.max_model_len;
                 let slots = if cfg.state_slots { state_slots_per_seq(cfg.num_speculative_tokens) } else { 0 };
-                let too_big = (prompt_len + max_tokens + self.reserve).div_ceil(cfg.page_size) + slots > cfg.num_pages - 1;
-                assert_eq!(too_big, pages_per_seq(prompt_len + max_tokens, self.reserve, cfg.page_size) + slots > cfg.num_pages - 1);
+                let too_big =
+                    (prompt_len + max_tokens + self.reserve).div_ceil(cfg.page_size) + slots > cfg.num_pages - 1;
+                assert_eq!(
+                    too_big,
+                    pages_per_seq(prompt_len + max_tokens, self.reserve, cfg.page_size) + slots > cfg.num_pages - 1
+                );
                 assert!(prompt_len == 0 || too_long || too_big, "rejected a request that fits");
             }
             Err(e) => panic!("unexpected {e}"),
@@ -420,7 +472,8 @@ impl Harness {
             .map(|(h, _)| (*h, self.expected_hit_pages(*h)))
             .collect();
         // The step's K: the policy's for the requests decoding before it.
-        let decoding: Vec<u64> = before.iter().filter(|(_, (ph, _))| matches!(ph, Phase::Decoding)).map(|(h, _)| *h).collect();
+        let decoding: Vec<u64> =
+            before.iter().filter(|(_, (ph, _))| matches!(ph, Phase::Decoding)).map(|(h, _)| *h).collect();
         let want_k = self.dl.choices(&self.s.config().draft_len_policy, &decoding);
         let next_k = self.s.next_draft_len();
         let Some((ticket, plan)) = self.s.schedule().unwrap() else {
@@ -447,7 +500,10 @@ impl Harness {
                     assert_eq!(before[&e.handle], (Phase::Decoding, committed));
                     // The draft pass: this request's block of D rows, in its own pages.
                     let d = plan.draft.rows;
-                    assert_eq!(d, if plan.block_rows > 1 { plan.block_rows.max(self.s.config().draft_block_rows) } else { 0 }); // (the rule, written out)
+                    assert_eq!(
+                        d,
+                        if plan.block_rows > 1 { plan.block_rows.max(self.s.config().draft_block_rows) } else { 0 }
+                    ); // (the rule, written out)
                     let i = plan.entries.iter().position(|x| x.handle == e.handle).unwrap();
                     for (j, row) in (i * d..(i + 1) * d).enumerate() {
                         assert_eq!(plan.draft.positions[row], (committed + j) as i64);
@@ -459,10 +515,19 @@ impl Harness {
                     if let Some(&want) = expected.get(&e.handle) {
                         // Admitted in this step: a whole number of shared pages, at least the
                         // live published run, and never the last token to prefill.
-                        let target = if tokens.len() == self.model[&e.handle].prompt_len { tokens.len() } else { tokens.len() - 1 };
+                        let target = if tokens.len() == self.model[&e.handle].prompt_len {
+                            tokens.len()
+                        } else {
+                            tokens.len() - 1
+                        };
                         assert_eq!(start % ps, 0);
                         assert!(start < target, "the whole prefill came from the cache");
-                        assert!(start >= want * ps, "request {}: hit {start} tokens, a live request publishes {}", e.handle, want * ps);
+                        assert!(
+                            start >= want * ps,
+                            "request {}: hit {start} tokens, a live request publishes {}",
+                            e.handle,
+                            want * ps
+                        );
                         assert_eq!(r.num_frozen_pages(), start / ps);
                     }
                     start
@@ -493,7 +558,12 @@ impl Harness {
         // Beside decoding requests, the prefill stays within the mixed-step limit.
         if let (Some(l), true) = (self.s.mixed_step_limit(), plan.num_decode > 0) {
             let prefill = &plan.entries[plan.num_decode..];
-            assert!(prefill.len() <= l.requests, "{} prefill chunks beside decoding, limit {}", prefill.len(), l.requests);
+            assert!(
+                prefill.len() <= l.requests,
+                "{} prefill chunks beside decoding, limit {}",
+                prefill.len(),
+                l.requests
+            );
             let rows: usize = prefill.iter().map(|e| e.num_rows()).sum();
             assert!(rows <= l.tokens, "{rows} prefill rows beside decoding, limit {}", l.tokens);
         }
@@ -545,7 +615,11 @@ impl Harness {
             }
             for w in kept {
                 assert_ne!(w, read, "a step overwrites the committed state it reads");
-                assert!(r.state_slots().contains(&(w as u32)), "request {} writes state slot {w} it does not own", e.handle);
+                assert!(
+                    r.state_slots().contains(&(w as u32)),
+                    "request {} writes state slot {w} it does not own",
+                    e.handle
+                );
                 written.push(w);
             }
         }
@@ -554,7 +628,8 @@ impl Harness {
         written.dedup();
         assert_eq!(written.len(), n, "a state slot written twice in one step");
         // No KV row (target or draft pass) lands in anyone's state slot.
-        let slots: Vec<u32> = self.model.keys().flat_map(|h| self.s.request(*h).unwrap().state_slots().to_vec()).collect();
+        let slots: Vec<u32> =
+            self.model.keys().flat_map(|h| self.s.request(*h).unwrap().state_slots().to_vec()).collect();
         for &kv in plan.target.slot_mapping.iter().chain(&plan.draft.slot_mapping) {
             assert!(!slots.contains(&((kv / self.ps as i64) as u32)), "KV slot {kv} lies in a state slot page");
         }
@@ -611,13 +686,22 @@ impl Harness {
     }
 
     fn commit(&mut self, ticket: StepTicket, plan: &StepPlan, accepted: &[u32], sampled: &[u32]) {
-        let before: HashMap<u64, (Phase, usize)> =
-            plan.entries.iter().filter(|e| self.model.contains_key(&e.handle)).map(|e| (e.handle, self.state(e.handle))).collect();
+        let before: HashMap<u64, (Phase, usize)> = plan
+            .entries
+            .iter()
+            .filter(|e| self.model.contains_key(&e.handle))
+            .map(|e| (e.handle, self.state(e.handle)))
+            .collect();
         let out = self.s.commit(ticket, accepted, sampled).map_err(|r| r.error).unwrap();
         // Row t of an entry keeps the state of its tokens through that row (rejected rows'
         // states are never read: the committed slot moves to the last accepted row's).
-        let alive: HashMap<u64, u32> =
-            plan.entries.iter().zip(accepted).filter(|(e, _)| before.contains_key(&e.handle)).map(|(e, &a)| (e.handle, a)).collect();
+        let alive: HashMap<u64, u32> = plan
+            .entries
+            .iter()
+            .zip(accepted)
+            .filter(|(e, _)| before.contains_key(&e.handle))
+            .map(|(e, &a)| (e.handle, a))
+            .collect();
         self.write_states(plan, |e, row| match (alive.get(&e.handle), e.kind) {
             (Some(_), EntryKind::Prefill { start, .. }) => Some(start + row + 1),
             (Some(&a), EntryKind::Decode { committed }) if row <= a as usize => Some(committed + row + 1),
@@ -782,8 +866,17 @@ fn run_full(
     let reserve = (k + 1).max(draft_block_rows);
     let mut dl = DraftLenRef::new(k, adaptive_policy);
     dl.skew = skew;
-    let mut h =
-        Harness { s, dl, model: HashMap::new(), content: HashMap::new(), next_id: 0, b: k + 1, reserve, ps: 4, state: HashMap::new() };
+    let mut h = Harness {
+        s,
+        dl,
+        model: HashMap::new(),
+        content: HashMap::new(),
+        next_id: 0,
+        b: k + 1,
+        reserve,
+        ps: 4,
+        state: HashMap::new(),
+    };
     let mut costs = costs;
     let mut hand_over_costs = |h: &mut Harness, now: bool| {
         if let Some((_, buckets, seconds)) = costs.take_if(|c| now || c.0 == 0) {
@@ -989,7 +1082,17 @@ fn shared_prefixes_hit_in_the_harness() {
         draft_block_rows: 0,
         state_slots: false,
     };
-    let mut h = Harness { s: Scheduler::new(cfg).unwrap(), dl: DraftLenRef::new(3, false), model: HashMap::new(), content: HashMap::new(), next_id: 0, b: 4, reserve: 4, ps: 4, state: HashMap::new() };
+    let mut h = Harness {
+        s: Scheduler::new(cfg).unwrap(),
+        dl: DraftLenRef::new(3, false),
+        model: HashMap::new(),
+        content: HashMap::new(),
+        next_id: 0,
+        b: 4,
+        reserve: 4,
+        ps: 4,
+        state: HashMap::new(),
+    };
     for op in ops {
         match op {
             Op::Add { family, shared, own, max_tokens, stop } => h.add_family(family, shared, own, max_tokens, stop),

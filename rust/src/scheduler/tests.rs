@@ -759,7 +759,7 @@ fn hybrid_state_slots_follow_the_committed_row() {
     let mut s = Scheduler::new(hybrid_cfg(32, 3)).unwrap();
     let h = s.add_request("a", vec![1, 2, 3, 4, 5, 6], 20, vec![]).unwrap();
     s.cfg.max_num_batched_tokens = 4; // two prefill chunks
-    // Chunk 1: no state yet (read -1); the last row keeps its state in a fresh slot.
+                                      // Chunk 1: no state yet (read -1); the last row keeps its state in a fresh slot.
     let (t, p) = step(&mut s);
     assert_eq!(p.state_read, vec![-1]);
     assert_eq!(p.state_write[..3], [-1, -1, -1]);
@@ -855,13 +855,25 @@ fn mixed_step_limit_caps_prefill_beside_decoding_only() {
     assert_eq!(p.num_decode, 1);
     assert_eq!(p.entries[0].handle, a);
     let kinds: Vec<EntryKind> = p.entries[1..].iter().map(|e| e.kind).collect();
-    assert_eq!(kinds, vec![EntryKind::Prefill { start: 0, len: 5, sample: true }, EntryKind::Prefill { start: 0, len: 1, sample: false }]);
+    assert_eq!(
+        kinds,
+        vec![
+            EntryKind::Prefill { start: 0, len: 5, sample: true },
+            EntryKind::Prefill { start: 0, len: 1, sample: false }
+        ]
+    );
     let sampled: Vec<u32> = p.sample_rows.iter().map(|_| 8).collect();
     commit(&mut s, t, &[0, 0, 0], &sampled);
     // Next step: c's remaining 4 tokens, then d's first 2 (6 in all, 2 chunks).
     let (t, p) = step(&mut s);
     let kinds: Vec<EntryKind> = p.entries[p.num_decode..].iter().map(|e| e.kind).collect();
-    assert_eq!(kinds, vec![EntryKind::Prefill { start: 1, len: 4, sample: true }, EntryKind::Prefill { start: 0, len: 2, sample: false }]);
+    assert_eq!(
+        kinds,
+        vec![
+            EntryKind::Prefill { start: 1, len: 4, sample: true },
+            EntryKind::Prefill { start: 0, len: 2, sample: false }
+        ]
+    );
     s.cancel(t).unwrap();
     // Lifted: the whole remainder in one step.
     s.set_mixed_step_limit(None).unwrap();
