@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +39,7 @@ from .graph_runner import MIXED_REQUESTS, GraphRunner, MixedCaptureFailed, batch
 from .in_flight import InFlight
 from .kv_cache import KVCache
 from .memory import MemoryReport, peak_bytes, size_kv_pool
+from .sampling_batch import SamplingBatch
 from .state_pool import layout, state_views
 from .step import StepInputs, StepModels, run_step
 from .step_timer import StepTimer
@@ -242,14 +243,14 @@ class ModelRunner:
         logger.info("attention kernels: %d variants ready in %.1f s", n, time.perf_counter() - t0)
 
     # ---- the step -----------------------------------------------------------------------
-    def launch(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
-        """Launch the step's device work (in_flight.py). `st`: per sample row, the owning
-        request's sampling parameters (numpy)."""
+    def launch(self, plan, st: SamplingBatch, all_greedy: bool) -> InFlight:
+        """Launch the step's device work (in_flight.py). `st`: the step's sampling parameters
+        (sampling_batch.py: per request, read per sample row by the eager path)."""
         if self.tp is not None:  # tensor parallel: the driver sends the step to the workers first
             return self.tp.launch(plan, st, all_greedy, self._launch_here)
         return self._launch_here(plan, st, all_greedy)
 
-    def _launch_here(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
+    def _launch_here(self, plan, st: SamplingBatch, all_greedy: bool) -> InFlight:
         """This rank's launch: a pure-decode step replays its batch bucket's graph, a mixed one
         its (batch, prefill tokens) bucket's graph where it fits one (GraphRunner.mixed_bucket),
         any other runs eagerly. The choice reads the plan alone: under TP every rank makes the
@@ -294,7 +295,7 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def _launch_eager(self, plan, st: dict[str, np.ndarray], all_greedy: bool) -> InFlight:
+    def _launch_eager(self, plan, st: Mapping[str, np.ndarray], all_greedy: bool) -> InFlight:
         tag = None  # a pure-decode step's (batch bucket, K): its time refines the adaptive policy's costs
         if plan.num_decode == len(plan):
             tag = (bucket_of(self._buckets, len(plan)), plan.block_rows - 1)

@@ -25,6 +25,7 @@ KV pool (`kv.state`, worker/state_pool.py). Dense targets have neither.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,7 +72,7 @@ class StepInputs:
     state_meta: StateMetadata | None = None  # hybrid targets: the state slots each row reads / keeps
 
     @classmethod
-    def from_plan(cls, plan, st: dict[str, np.ndarray], device: torch.device) -> StepInputs:
+    def from_plan(cls, plan, st: Mapping[str, np.ndarray], device: torch.device) -> StepInputs:
         """The eager step's inputs: the plan's arrays as they are (variable shapes)."""
         def t(a: np.ndarray) -> Tensor:  # plan arrays are read-only numpy: copy, never alias
             return torch.tensor(a, device=device)
