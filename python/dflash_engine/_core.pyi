@@ -39,8 +39,24 @@ def profile_plan(num_tokens: int, max_num_seqs: int, block_rows: int, draft_bloc
     """The largest eager step, over a 2-page KV cache (no ticket: it is never committed);
     state_slots: with a hybrid target's state arrays (no state read, kept states in slot 1)."""
 
+def mixed_prefill_tokens(query_start_loc: npt.NDArray[np.int32], sample_start: npt.NDArray[np.int64],
+                         sample_rows: npt.NDArray[np.int64], num_decode: int, block_rows: int,
+                         max_prefill_requests: int) -> int | None:
+    """The prefill tokens of a plan a mixed-step graph can replay, or None (rust/src/staging.rs)."""
+
+def stage_mixed_rows(srows: npt.NDArray[np.int64], vrows: npt.NDArray[np.int64],
+                     query_start_loc: npt.NDArray[np.int32], sample_start: npt.NDArray[np.int64],
+                     num_decode: int, bs: int, block_rows: int) -> npt.NDArray[np.int64]:
+    """A mixed plan's sample and verify rows in bucket `bs`'s slots; -> each sample row's slot."""
+
+def stage_sampling(int_fields: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]],
+                   float_fields: list[tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], float]],
+                   sample_start: npt.NDArray[np.int64], mixed: tuple[int, int] | None = None) -> None:
+    """Per-request values into their sample slots: (dst, values, pad) each; checks all first."""
+
 class StepPlan:
-    """One step's read-only arrays; carries the move-only ticket that `commit` spends."""
+    """One step's read-only arrays (made on first read); carries the move-only ticket that
+    `commit` spends."""
 
     step_id: int
     block_rows: int
@@ -55,6 +71,7 @@ class StepPlan:
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
     page_tables: npt.NDArray[np.int32]
+    max_pages: int  # page_tables' columns
     sample_rows: npt.NDArray[np.int64]
     verify_target_rows: npt.NDArray[np.int64]  # rows 1..B-1 of each verify block: where drafts go
     # The draft pass: num_decode blocks of D = draft_rows rows (0: none this step), plan.rs.

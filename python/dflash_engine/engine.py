@@ -438,8 +438,7 @@ class LLMEngine:
         if cached is None or cached[0] != key:
             # One row of parameters per request, made once (a request's parameters never
             # change): this runs on the critical path between steps whenever the batch changed.
-            reqs = self._requests
-            rows = [reqs[h].sampling_row or self._sampling_row(reqs[h]) for h in plan.handles.tolist()]
+            rows = [self._sampling_row(self._requests[h]) for h in plan.handles.tolist()]
             cols = zip(*rows) if rows else ((),) * len(SAMPLING_FIELDS)
             cached = self._sampling_cache = (key, RequestParams(dict(zip(SAMPLING_FIELDS, cols)), plan.sample_start))
         params = cached[1]

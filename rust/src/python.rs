@@ -1007,14 +1007,14 @@ fn py_stage_sampling(
     let ss = sample_start.as_slice()?;
     let mut ints = int_fields;
     let mut floats = float_fields;
-    // Check all first (a refused field must not leave the others half-written): dry runs.
-    for (dst, values, pad) in ints.iter() {
-        let mut probe = vec![*pad; dst.as_array().len()];
-        crate::staging::stage_sampling(&mut probe, values.as_slice()?, *pad, ss, mixed).map_err(value_error)?;
+    // Check all first: a refused field must not leave the others half-written.
+    for (dst, values, _) in ints.iter() {
+        crate::staging::check_sampling(dst.as_array().len(), values.as_array().len(), ss, mixed)
+            .map_err(value_error)?;
     }
-    for (dst, values, pad) in floats.iter() {
-        let mut probe = vec![*pad; dst.as_array().len()];
-        crate::staging::stage_sampling(&mut probe, values.as_slice()?, *pad, ss, mixed).map_err(value_error)?;
+    for (dst, values, _) in floats.iter() {
+        crate::staging::check_sampling(dst.as_array().len(), values.as_array().len(), ss, mixed)
+            .map_err(value_error)?;
     }
     for (dst, values, pad) in ints.iter_mut() {
         crate::staging::stage_sampling(dst.as_slice_mut()?, values.as_slice()?, *pad, ss, mixed)

@@ -97,37 +97,37 @@ pub fn stage_mixed_rows(
     Ok(slot_of)
 }
 
-/// One sampling parameter in every sample slot of `out`: `pad` everywhere, then request i's
-/// value in the slots of its sample rows. Without `mixed` those are slots
-/// `sample_start[i]..sample_start[i+1]` (a decode step); with `mixed = (num_decode, base)`
-/// the decoding requests' likewise and prefill request rd+j's one sample in slot `base + j`.
-pub fn stage_sampling<T: Copy>(
-    out: &mut [T],
-    values: &[T],
-    pad: T,
+/// Request i's sample slots in a step: `sample_start[i]..sample_start[i+1]` (a decode step,
+/// and a mixed step's decoding requests), or for a mixed step (`mixed = (num_decode, base)`)
+/// prefill request rd+j's one slot `base + j`.
+fn sample_slots(sample_start: &[i64], mixed: Option<(usize, usize)>, i: usize) -> (usize, usize) {
+    match mixed {
+        Some((rd, base)) if i >= rd => {
+            let n = (sample_start[i + 1] - sample_start[i]) as usize;
+            (base + i - rd, base + i - rd + n)
+        }
+        _ => (sample_start[i] as usize, sample_start[i + 1] as usize),
+    }
+}
+
+/// Whether `r` per-request values fit `slots` sample slots (see `stage_sampling`): the checks
+/// a caller staging several fields runs for all of them before writing any.
+pub fn check_sampling(
+    slots: usize,
+    r: usize,
     sample_start: &[i64],
     mixed: Option<(usize, usize)>,
 ) -> Result<(), String> {
-    let r = values.len();
     if sample_start.len() != r + 1 {
         return Err(format!("{r} values for {} requests", sample_start.len().saturating_sub(1)));
     }
-    let slots = |i: usize| -> (usize, usize) {
-        match mixed {
-            Some((rd, base)) if i >= rd => {
-                let n = (sample_start[i + 1] - sample_start[i]) as usize;
-                (base + i - rd, base + i - rd + n)
-            }
-            _ => (sample_start[i] as usize, sample_start[i + 1] as usize),
-        }
-    };
     if sample_start.first().is_some_and(|&s| s < 0) || sample_start.windows(2).any(|w| w[1] < w[0]) {
         return Err("sample_start is not a non-negative, non-decreasing offset array".into());
     }
     for i in 0..r {
-        let (lo, hi) = slots(i);
-        if hi > out.len() {
-            return Err(format!("request {i}'s sample slots {lo}..{hi} fall outside {} slots", out.len()));
+        let (lo, hi) = sample_slots(sample_start, mixed, i);
+        if hi > slots {
+            return Err(format!("request {i}'s sample slots {lo}..{hi} fall outside {slots} slots"));
         }
         if let Some((rd, _)) = mixed {
             if i >= rd && hi - lo > 1 {
@@ -135,9 +135,23 @@ pub fn stage_sampling<T: Copy>(
             }
         }
     }
+    Ok(())
+}
+
+/// One sampling parameter in every sample slot of `out`: `pad` everywhere, then request i's
+/// value in its sample slots (`sample_slots`). Checks first (`check_sampling`); writes nothing
+/// when refused.
+pub fn stage_sampling<T: Copy>(
+    out: &mut [T],
+    values: &[T],
+    pad: T,
+    sample_start: &[i64],
+    mixed: Option<(usize, usize)>,
+) -> Result<(), String> {
+    check_sampling(out.len(), values.len(), sample_start, mixed)?;
     out.fill(pad);
     for (i, &v) in values.iter().enumerate() {
-        let (lo, hi) = slots(i);
+        let (lo, hi) = sample_slots(sample_start, mixed, i);
         out[lo..hi].fill(v);
     }
     Ok(())
