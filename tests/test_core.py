@@ -250,10 +250,29 @@ def test_random_operations_keep_invariants_and_drain(seed):
     assert s.num_free_pages == s.num_usable_pages
 
 
+def stage_reference(plan, dst, fields, pages=None):
+    """What `stage_into` must do, in numpy: each array padded into dst, the page tables as rows
+    of `width` with what the previous staging covered and this one does not zeroed."""
+    for name, at, total, pad in fields:
+        a = getattr(plan, name)
+        dst[at:at + len(a)] = a
+        dst[at + len(a):at + total] = a[-1] if pad is None else pad
+    if pages is not None:
+        at, width, rows_before, cols_before = pages
+        t = plan.page_tables
+        r, w = t.shape
+        table = dst[at:at + max(r, rows_before) * width].reshape(-1, width)
+        table[:r, :w] = t
+        table[r:rows_before, :cols_before] = 0
+        table[:min(r, rows_before), w:cols_before] = 0
+
+
 def test_stage_into_copies_and_pads_like_numpy():
-    """StepPlan.stage_into (the graph runner's staging, one call) equals the numpy one (WirePlan's,
-    a tensor-parallel worker's) on random prefill + decode plans, leaves everything outside its fields alone, and refuses a
-    field that does not fit, an unknown name and a read-only buffer before writing anything."""
+    """StepPlan.stage_into (the graph runner's staging, one call) equals a numpy reference on
+    random prefill + decode plans, and so does a tensor-parallel worker's copy of the plan
+    (WirePlan: the same core function over its own arrays); it leaves everything outside its
+    fields alone, and refuses a field that does not fit, an unknown name and a read-only buffer
+    before writing anything."""
     from dflash_engine.distributed.step_message import WirePlan
 
     names = ["input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows",
@@ -279,9 +298,12 @@ def test_stage_into_copies_and_pads_like_numpy():
         want = got.copy()
         p.stage_into(got, fields, pages)
         # The numpy staging of a tensor-parallel worker's copy of the plan: the reference.
-        wire = WirePlan(len(p), {}, {name: getattr(p, name) for name in [*names, "page_tables"]})
-        wire.stage_into(want, fields, pages)
+        stage_reference(p, want, fields, pages)
         assert np.array_equal(got, want), (fields, pages)
+        wire = WirePlan(len(p), {}, {name: getattr(p, name).copy() for name in [*names, "page_tables"]})
+        got_wire = np.full_like(got, -99)
+        wire.stage_into(got_wire, fields, pages)
+        assert np.array_equal(got_wire, want), (fields, pages)
         got2 = got.copy()
         p.stage_into(got2, fields)  # without pages: the tables' region untouched
         assert np.array_equal(got2, got)

@@ -54,6 +54,12 @@ def stage_sampling(int_fields: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.
                    sample_start: npt.NDArray[np.int64], mixed: tuple[int, int] | None = None) -> None:
     """Per-request values into their sample slots: (dst, values, pad) each; checks all first."""
 
+def stage_arrays(dst: npt.NDArray[np.int64],
+                 fields: list[tuple[str, npt.NDArray[np.int64] | npt.NDArray[np.int32], int, int, int | None]],
+                 pages: tuple[npt.NDArray[np.int32], int, int, int, int] | None = None) -> None:
+    """StepPlan.stage_into over arrays held in Python (a worker's WirePlan): (name, array, at,
+    total, pad); pages: (tables, at, width, rows before, columns before)."""
+
 class StepPlan:
     """One step's read-only arrays (made on first read); carries the move-only ticket that
     `commit` spends."""

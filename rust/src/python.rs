@@ -3,7 +3,7 @@
 
 use std::sync::Mutex;
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray1};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -300,12 +300,12 @@ impl PyStepPlan {
 
     /// The one-dimensional plan array of this name (the Python attribute's), as the core's
     /// vector.
-    fn array_named(&self, name: &str) -> Option<PlanSlice<'_>> {
-        fn i64s(a: &Lazy<i64>) -> Option<PlanSlice<'_>> {
-            Some(PlanSlice::I64(&a.data))
+    fn array_named(&self, name: &str) -> Option<crate::staging::Src<'_>> {
+        fn i64s(a: &Lazy<i64>) -> Option<crate::staging::Src<'_>> {
+            Some(crate::staging::Src::I64(&a.data))
         }
-        fn i32s(a: &Lazy<i32>) -> Option<PlanSlice<'_>> {
-            Some(PlanSlice::I32(&a.data))
+        fn i32s(a: &Lazy<i32>) -> Option<crate::staging::Src<'_>> {
+            Some(crate::staging::Src::I32(&a.data))
         }
         match name {
             "input_ids" => i64s(&self.input_ids),
@@ -325,20 +325,6 @@ impl PyStepPlan {
             "state_read" => i64s(&self.state_read),
             "state_write" => i64s(&self.state_write),
             _ => None,
-        }
-    }
-}
-
-enum PlanSlice<'a> {
-    I64(&'a [i64]),
-    I32(&'a [i32]),
-}
-
-impl PlanSlice<'_> {
-    fn len(&self) -> usize {
-        match self {
-            PlanSlice::I64(a) => a.len(),
-            PlanSlice::I32(a) => a.len(),
         }
     }
 }
@@ -468,71 +454,84 @@ impl PyStepPlan {
         pages: Option<(usize, usize, usize, usize)>,
     ) -> PyResult<()> {
         let err = |m: String| pyo3::exceptions::PyValueError::new_err(m);
-        let mut srcs = Vec::with_capacity(fields.len());
-        for (name, _, _, _) in &fields {
-            srcs.push(
-                self.array_named(name).ok_or_else(|| err(format!("StepPlan has no one-dimensional array {name:?}")))?,
-            );
+        let mut staged = Vec::with_capacity(fields.len());
+        for (name, at, total, pad) in &fields {
+            let src =
+                self.array_named(name).ok_or_else(|| err(format!("StepPlan has no one-dimensional array {name:?}")))?;
+            staged.push((name.as_str(), src, *at, *total, *pad));
         }
-        // SAFETY: reads the flags of a live array (the Bound), GIL held.
-        let writeable = unsafe {
-            (*numpy::PyUntypedArrayMethods::as_array_ptr(dst)).flags & numpy::npyffi::flags::NPY_ARRAY_WRITEABLE != 0
-        };
-        if !writeable {
-            return Err(err("stage_into: dst is not writeable".into()));
-        }
-        let (r, w) = (self.num_entries(), self.max_pages);
-        // SAFETY: `dst` is checked writeable and contiguous, and the GIL (held throughout)
-        // keeps Python code from touching it meanwhile. This skips the numpy crate's dynamic
-        // borrow tracking.
-        let d = unsafe { dst.as_slice_mut() }.map_err(|e| err(format!("stage_into: dst is not contiguous: {e}")))?;
-        for ((name, at, total, pad), src) in fields.iter().zip(&srcs) {
-            let len = src.len();
-            if len > *total || at + total > d.len() || (len == 0 && pad.is_none() && *total > 0) {
-                return Err(err(format!(
-                    "stage_into: {name} ({len} values) does not fit {total} at {at} of {} (or has no last value to pad with)",
-                    d.len()
-                )));
-            }
-        }
-        if let Some((at, width, rows_before, cols_before)) = pages {
-            if w > width || cols_before > width || at + r.max(rows_before) * width > d.len() {
-                return Err(err(format!(
-                    "stage_into: page tables of {r} x {w} (before: {rows_before} x {cols_before}) do not fit width {width} at {at} of {}",
-                    d.len()
-                )));
-            }
-        }
-        for ((_, at, total, pad), src) in fields.iter().zip(&srcs) {
-            let out = &mut d[*at..at + total];
-            let len = src.len();
-            match src {
-                PlanSlice::I64(a) => out[..len].copy_from_slice(a),
-                PlanSlice::I32(a) => out[..len].iter_mut().zip(a.iter()).for_each(|(o, &v)| *o = v as i64),
-            }
-            let fill = match pad {
-                Some(v) => *v,
-                None if len > 0 => out[len - 1],
-                None => 0,
-            };
-            out[len..].fill(fill);
-        }
-        if let Some((at, width, rows_before, cols_before)) = pages {
-            let t = &self.page_tables.data;
-            for i in 0..r.max(rows_before) {
-                let row = &mut d[at + i * width..at + (i + 1) * width];
-                if i < r {
-                    row[..w].iter_mut().zip(&t[i * w..(i + 1) * w]).for_each(|(o, &v)| *o = v as i64);
-                    if i < rows_before && cols_before > w {
-                        row[w..cols_before].fill(0);
-                    }
-                } else {
-                    row[..cols_before].fill(0);
-                }
-            }
-        }
-        Ok(())
+        check_writeable(dst)?;
+        // SAFETY: `dst` is checked writeable and contiguous, and the GIL (held throughout) keeps
+        // Python code from touching it meanwhile. This skips the numpy crate's borrow tracking.
+        let d = unsafe { dst.as_slice_mut() }.map_err(not_contiguous)?;
+        let tables = pages.map(|(at, width, rb, cb)| {
+            (self.page_tables.data.as_slice(), self.num_entries(), self.max_pages, at, width, rb, cb)
+        });
+        crate::staging::stage_arrays(d, &staged, tables).map_err(err)
     }
+}
+
+/// `dst` is a writeable array (the callers then take it as a mutable slice).
+fn check_writeable(dst: &Bound<'_, PyArray1<i64>>) -> PyResult<()> {
+    // SAFETY: reads the flags of a live array (the Bound), GIL held.
+    let writeable = unsafe {
+        (*numpy::PyUntypedArrayMethods::as_array_ptr(dst)).flags & numpy::npyffi::flags::NPY_ARRAY_WRITEABLE != 0
+    };
+    if !writeable {
+        return Err(pyo3::exceptions::PyValueError::new_err("stage_into: dst is not writeable"));
+    }
+    Ok(())
+}
+
+fn not_contiguous(e: impl std::fmt::Display) -> PyErr {
+    pyo3::exceptions::PyValueError::new_err(format!("stage_into: dst is not contiguous: {e}"))
+}
+
+/// One staged array from Python: int64 or int32, read-only borrowed.
+enum PySrc<'py> {
+    I64(PyReadonlyArray1<'py, i64>),
+    I32(PyReadonlyArray1<'py, i32>),
+}
+
+/// `StepPlan.stage_into` for arrays held in Python (a tensor-parallel worker's copy of the
+/// plan, WirePlan): `fields` = (name, array, at, total, pad); `pages` = (page tables [R, W]
+/// int32, at, width, rows before, columns before). The same staging (staging::stage_arrays).
+#[pyfunction]
+#[pyo3(name = "stage_arrays", signature = (dst, fields, pages = None))]
+#[allow(clippy::type_complexity)]
+fn py_stage_arrays<'py>(
+    mut dst: PyReadwriteArray1<'py, i64>,
+    fields: Vec<(String, Bound<'py, PyAny>, usize, usize, Option<i64>)>,
+    pages: Option<(PyReadonlyArray2<'py, i32>, usize, usize, usize, usize)>,
+) -> PyResult<()> {
+    let err = |m: String| pyo3::exceptions::PyValueError::new_err(m);
+    let mut held = Vec::with_capacity(fields.len());
+    for (name, a, _, _, _) in &fields {
+        held.push(if let Ok(x) = a.extract::<PyReadonlyArray1<'py, i64>>() {
+            PySrc::I64(x)
+        } else if let Ok(x) = a.extract::<PyReadonlyArray1<'py, i32>>() {
+            PySrc::I32(x)
+        } else {
+            return Err(err(format!("stage_arrays: {name} is not a 1-D int64 or int32 array")));
+        });
+    }
+    let mut staged = Vec::with_capacity(fields.len());
+    for ((name, _, at, total, pad), h) in fields.iter().zip(&held) {
+        let src = match h {
+            PySrc::I64(x) => crate::staging::Src::I64(x.as_slice()?),
+            PySrc::I32(x) => crate::staging::Src::I32(x.as_slice()?),
+        };
+        staged.push((name.as_str(), src, *at, *total, *pad));
+    }
+    let tables = match &pages {
+        Some((t, at, width, rb, cb)) => {
+            let (rows, cols) = t.as_array().dim();
+            Some((t.as_slice()?, rows, cols, *at, *width, *rb, *cb))
+        }
+        None => None,
+    };
+    // (borrow-tracked: a source that is `dst` itself is refused, not aliased)
+    crate::staging::stage_arrays(dst.as_slice_mut().map_err(not_contiguous)?, &staged, tables).map_err(err)
 }
 
 /// (handle, new token ids, finish reason or None)
@@ -1048,6 +1047,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_mixed_prefill_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(py_stage_mixed_rows, m)?)?;
     m.add_function(wrap_pyfunction!(py_stage_sampling, m)?)?;
+    m.add_function(wrap_pyfunction!(py_stage_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(py_draft_pass_rows, m)?)?;
     m.add_function(wrap_pyfunction!(py_draft_len_for, m)?)?;
     m.add_function(wrap_pyfunction!(py_state_slots_per_seq, m)?)?;

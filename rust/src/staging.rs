@@ -10,6 +10,84 @@
 //! mixed step (`bs*B + j`). A plan's decoding requests lead it (entries 0..rd) and fill the
 //! first rd decoding slots; slots rd..bs are padding.
 
+/// One plan array to stage: the core's int64 or int32 values.
+pub enum Src<'a> {
+    I64(&'a [i64]),
+    I32(&'a [i32]),
+}
+
+impl Src<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Src::I64(a) => a.len(),
+            Src::I32(a) => a.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A plan's arrays into the graph runner's int64 staging buffer `d`: for each `(name, src,
+/// at, total, pad)`, `src` goes to `d[at..at + len]` and `pad` fills `d[at + len..at +
+/// total]` (`pad` None: the array's last value). With `pages = (tables, rows, cols, at, width,
+/// rows_before, cols_before)` the row-major page tables go to rows of `width` from `d[at]`,
+/// and what the previous staging covered (`rows_before` x `cols_before`) and this one does not
+/// is zeroed (the null page). Checks every field before writing any.
+#[allow(clippy::type_complexity)]
+pub fn stage_arrays(
+    d: &mut [i64],
+    fields: &[(&str, Src<'_>, usize, usize, Option<i64>)],
+    pages: Option<(&[i32], usize, usize, usize, usize, usize, usize)>,
+) -> Result<(), String> {
+    for (name, src, at, total, pad) in fields {
+        let len = src.len();
+        if len > *total || at + total > d.len() || (len == 0 && pad.is_none() && *total > 0) {
+            return Err(format!(
+                "stage_into: {name} ({len} values) does not fit {total} at {at} of {} (or has no last value to pad with)",
+                d.len()
+            ));
+        }
+    }
+    if let Some((t, r, w, at, width, rows_before, cols_before)) = pages {
+        if t.len() != r * w || w > width || cols_before > width || at + r.max(rows_before) * width > d.len() {
+            return Err(format!(
+                "stage_into: page tables of {r} x {w} (before: {rows_before} x {cols_before}) do not fit width {width} at {at} of {}",
+                d.len()
+            ));
+        }
+    }
+    for (_, src, at, total, pad) in fields {
+        let out = &mut d[*at..at + total];
+        let len = src.len();
+        match src {
+            Src::I64(a) => out[..len].copy_from_slice(a),
+            Src::I32(a) => out[..len].iter_mut().zip(a.iter()).for_each(|(o, &v)| *o = v as i64),
+        }
+        let fill = match pad {
+            Some(v) => *v,
+            None if len > 0 => out[len - 1],
+            None => 0,
+        };
+        out[len..].fill(fill);
+    }
+    if let Some((t, r, w, at, width, rows_before, cols_before)) = pages {
+        for i in 0..r.max(rows_before) {
+            let row = &mut d[at + i * width..at + (i + 1) * width];
+            if i < r {
+                row[..w].iter_mut().zip(&t[i * w..(i + 1) * w]).for_each(|(o, &v)| *o = v as i64);
+                if i < rows_before && cols_before > w {
+                    row[w..cols_before].fill(0);
+                }
+            } else {
+                row[..cols_before].fill(0);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The prefill tokens of a plan a mixed-step graph can replay, or None: `num_decode` >= 1
 /// decoding requests lead the plan with `block_rows` rows and samples each, then at most
 /// `max_prefill_requests` prefill chunks, each sampling nothing or its chunk's last row.

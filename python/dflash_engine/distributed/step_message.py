@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import _core
 from ..worker.sampling_batch import DTYPES, RequestParams, SamplingBatch
 from ..worker.sampling_batch import FIELDS as SAMPLING_FIELDS
 
@@ -62,23 +63,10 @@ class WirePlan:
 
     def stage_into(self, dst: np.ndarray, fields: list[tuple[str, int, int, int | None]],
                    pages: tuple[int, int, int, int] | None = None) -> None:
-        """The core StepPlan's `stage_into`, in numpy: the graph runner stages a worker's copy of
-        the plan the way the driver stages its own (tests/test_tensor_parallel.py)."""
-        for name, at, total, pad in fields:
-            a = getattr(self, name)
-            n = len(a)
-            if n > total or at + total > len(dst) or (n == 0 and pad is None and total > 0):
-                raise ValueError(f"stage_into: {name} ({n} values) does not fit {total} at {at} of {len(dst)}")
-            dst[at:at + n] = a
-            dst[at + n:at + total] = a[-1] if pad is None else pad
-        if pages is not None:
-            at, width, rows_before, cols_before = pages
-            t = self.page_tables
-            r, w = t.shape
-            table = dst[at:at + max(r, rows_before) * width].reshape(-1, width)
-            table[:r, :w] = t
-            table[r:rows_before, :cols_before] = 0
-            table[:min(r, rows_before), w:cols_before] = 0
+        """The core StepPlan's `stage_into` (the same core function, over these arrays): the
+        graph runner stages a worker's copy of the plan the way the driver stages its own."""
+        _core.stage_arrays(dst, [(name, getattr(self, name), at, total, pad) for name, at, total, pad in fields],
+                           None if pages is None else (np.ascontiguousarray(self.page_tables, np.int32), *pages))
 
 
 @dataclass
