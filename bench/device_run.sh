@@ -5,7 +5,8 @@
 # Python 3.12) and python/dflash_engine/_core.abi3.so (the abi3 extension built here).
 # TESTS: the GPU test files (default below); BENCH_ARGS: more bench_step flags (e.g. --modes
 # on,off --concurrency 1,4,32 --ab MODULE.SWITCH); ATTN: bench_attention.py flags (e.g. "--c
-# 1,8,32 --sweep"); PROFILE=1: profile_step over graph replays at c = 1 and 32. The checkpoint
+# 1,8,32 --sweep"); PROFILE=1: profile_step over graph replays at c = 1 and 32 (PROFILE_C, PROFILE_ARGS:
+# e.g. --replay). The checkpoint
 # lands where bench/device_ladder.sh looks for it, so one call can run both (`&&`).
 set -o pipefail
 source bench/device_env.sh   # wheels, PYTHONPATH, $OUT
@@ -22,6 +23,6 @@ Q=/tmp/ckpt_qwen3-8b; QD=/tmp/ckpt_qwen3-8b_draft
 [ -z "${SKIP_STEP_BENCH:-}" ] && timeout "${BENCH_TIMEOUT:-330}" python3 bench/bench_step.py --target $Q --draft $QD --steps 20 \
     ${BENCH_ARGS:-} --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.log" | tail -30
 if [ -n "${PROFILE:-}" ]; then
-    timeout 150 python3 bench/profile_step.py --target $Q --draft $QD --c 1,32 --graphs --steps 10 --top 30 2>&1 \
+    timeout 150 python3 bench/profile_step.py --target $Q --draft $QD --c ${PROFILE_C:-1,32} --graphs ${PROFILE_ARGS:-} --steps 10 --top 30 2>&1 \
         | tee "$OUT/profile.log" | tail -40
 fi

@@ -1,7 +1,7 @@
 """Where the time of one decode step goes: torch.profiler over eager decode steps (the same
 kernels and shapes the CUDA graph replays), summed per kernel name.
 
-    python bench/profile_step.py --target DIR --draft DIR [--c 1] [--context 1024] [--steps 5] [--graphs]
+    python bench/profile_step.py --target DIR --draft DIR [--c 1] [--context 1024] [--steps 5] [--graphs [--replay]]
 
 Also prints the wall time of a step (host included); `--graphs` times the CUDA-graph decode
 step instead of eager (the kernel table then shows what the profiler sees of graph replays).
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs (the served step), not eager")
+    ap.add_argument("--replay", action="store_true",
+                    help="with --graphs: profile the bare graph replay of the batch's bucket (bench_step's step_ms), "
+                         "not engine steps (host work, overlap and all)")
     args = ap.parse_args(argv)
     spec = {"method": "dflash", "model": args.draft, "num_speculative_tokens": 15}
     for c in [int(x) for x in args.c.split(",")]:
@@ -40,9 +43,17 @@ def main(argv: list[str] | None = None) -> int:
                                         max_num_batched_tokens=8192))
         rng = np.random.default_rng(0)
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        for i in range(c):
-            engine.add_request(f"p{i}", rng.integers(100, 100_000, size=args.context).tolist(), params)
-        for _ in range(6):
+        ids = [f"p{i}" for i in range(c)]
+        for rid in ids:
+            engine.add_request(rid, rng.integers(100, 100_000, size=args.context).tolist(), params)
+        # Until every prompt is prefilled (c = 32 x 1024 tokens takes more than the few warm-up
+        # steps this used to run: run 47's and this session's c = 32 tables had prefill chunks
+        # inside the profiled steps), then a few pure decode steps.
+        prefill_steps = 0
+        while not all(engine._requests[engine.scheduler.handle_of(r)].token_ids for r in ids):
+            engine.step()
+            prefill_steps += 1
+        for _ in range(3):
             engine.step()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -50,9 +61,21 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e3
+        dg = engine.runner.graphs.get(16) if args.replay else None
+        replay = None
+        if dg is not None and not dg.enforce_eager:
+            # The bare captured step of this batch's bucket: what bench_step times as step_ms.
+            replay = dg.graphs[(dg.bucket(c), 0, True)].replay
+            replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                replay()
+            torch.cuda.synchronize()
+            replay_ms = (time.perf_counter() - t0) / args.steps * 1e3
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
-                engine.step()
+                replay() if replay is not None else engine.step()
             torch.cuda.synchronize()
         totals: dict[str, float] = collections.defaultdict(float)
         counts: dict[str, int] = collections.defaultdict(int)
@@ -66,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                 counts[name] += e.count
         total = sum(totals.values())
         mode = "graphs" if args.graphs else "eager"
-        print(f"## c={c}: GPU kernel time per step {total / args.steps / 1e3:.2f} ms, wall {wall:.2f} ms "
-              f"({mode}, {args.steps} steps)")
+        what = f"graph replays of bucket {dg.bucket(c)} ({replay_ms:.2f} ms each unprofiled)" if replay else mode
+        print(f"## c={c}: GPU kernel time per step {total / args.steps / 1e3:.2f} ms, engine step wall {wall:.2f} ms "
+              f"(profiled: {what}, {args.steps} steps, after {prefill_steps} prefill steps)")
         print("| kernel | ms/step | launches/step | share |\n|---|---:|---:|---:|")
         for name, t in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"| `{name}` | {t / args.steps / 1e3:.3f} | {counts[name] / args.steps:.0f} | {t / total:.1%} |")
