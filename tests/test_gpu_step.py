@@ -89,6 +89,24 @@ def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("draft", [True, False])
+def test_a_lone_request_through_the_pdl_graph_equals_eager(qwen3_dir, random_draft_dir, draft):
+    """Bucket 1's step graphs are captured with PDL edges (kernels/pdl.py); a lone request
+    replaying them gives eager's tokens (bf16: the same kernels, only their launch overlaps)."""
+    ps = prompts(3, seed=11)
+    kw = dict(model=str(qwen3_dir), device="cuda", dtype="bfloat16", max_num_seqs=1, num_gpu_blocks_override=128,
+              speculative_config=spec(random_draft_dir) if draft else None)
+    llm = LLM(**kw)
+    runners = list(llm.engine.runner.graphs.values())
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert all((1, 0, True) in g.pdl_graphs for g in runners), "bucket 1 captured with PDL"
+    on = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
+    del llm
+    assert on == tokens(LLM(**kw, enforce_eager=True).generate(ps, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_mixed_step_graphs_equal_eager_mixed_steps_and_spec_off(qwen3_dir, random_draft_dir):
     """Requests arriving as seats free (4 seats, a 24-token step budget: chunked prompts beside
     decode rows): mixed steps replaying CUDA graphs give the tokens of eager mixed steps and,

@@ -82,11 +82,32 @@ def test_a_pdl_kernel_waits_for_the_previous_grid_before_any_global_read(compile
     assert off["wait"] is None and off["signal"] is None, off
 
 
+def test_pdl_is_asked_only_inside_a_small_decode_bucket_unless_forced(monkeypatch):
+    from dflash_engine.kernels import pdl
+
+    assert pdl.PDL is None and pdl.MAX_BUCKET == 1  # by bucket (run 47: c = 1 only gained)
+    assert not pdl.active()  # eager launches
+    with pdl.for_bucket(1):
+        assert pdl.active()
+        with pdl.for_bucket(1, mixed=True):  # a mixed step's graph: not measured, not asked
+            assert not pdl.active()
+        assert pdl.active()  # restored on exit
+    with pdl.for_bucket(2):
+        assert not pdl.active()
+    assert not pdl.active()
+    monkeypatch.setattr(pdl, "PDL", False)
+    with pdl.for_bucket(1):
+        assert not pdl.active()
+    monkeypatch.setattr(pdl, "PDL", True)
+    assert pdl.active()
+
+
 def test_launch_options_give_nothing_off_the_gpu_or_with_the_switch_off(monkeypatch):
     from dflash_engine.kernels import pdl
 
-    assert pdl.PDL is False  # not measured yet: off by default (docs/perf.md)
     assert pdl.launch_options(torch.device("cpu")) == {}
+    monkeypatch.setattr(pdl, "PDL", False)
+    assert pdl.launch_options(torch.device("cuda", 0)) == {}  # (no device query when off)
     monkeypatch.setattr(pdl, "PDL", True)
     assert pdl.launch_options(torch.device("cpu")) == {}  # the interpreter cannot run it
     monkeypatch.setenv("TRITON_INTERPRET", "1")

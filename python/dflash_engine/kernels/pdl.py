@@ -16,12 +16,18 @@ RoPE -> paged attention -> split combine; the others follow a GEMM, and gain onl
 cuBLAS's kernel signals its dependents early. tests/test_kernel_pdl.py compiles each for
 sm_90 and checks the wait comes before every global read.
 
-`PDL` is off: not measured yet (docs/perf.md "What is left at c = 1"); `bench/bench_step.py
---ab dflash_engine.kernels.pdl.PDL` times it. The interpreter (no GPU) never launches with it:
-it cannot run the instructions, and `launch_options` gives it nothing.
+Where it is on: in the step graphs of the smallest batches (`MAX_BUCKET`), where a step is a
+chain of small grids and launch latency shows. Run 47 (H100, Qwen3-8B, K = 15, bench_step
+`--ab dflash_engine.kernels.pdl.PDL`, step ms PDL on / off): 0.986 (spec on) and 0.985 (spec
+off) at c = 1, but 1.002-1.067 at c >= 8, where grids of several waves meet dependents that
+take SMs early to wait on them. The graph runner captures a bucket's graphs inside
+`for_bucket(bs)`; eager steps launch without it. `PDL = True` / `False` forces it on / off
+everywhere (bench_step's A/B switch). The interpreter (no GPU) never launches with it: it
+cannot run the instructions, and `launch_options` gives it nothing.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 
 import torch
@@ -31,10 +37,31 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import envs
 
-__all__ = ["PDL", "launch_options", "wait_then_signal"]
+__all__ = ["MAX_BUCKET", "PDL", "for_bucket", "launch_options", "wait_then_signal"]
 
-# The switch: read at each launch (a step graph captured with it on keeps its edges).
-PDL = False
+# The switch, read at each launch (a step graph captured with it on keeps its edges): None:
+# inside `for_bucket` of a bucket <= MAX_BUCKET only; True / False: everywhere / nowhere.
+PDL: bool | None = None
+# The largest decode bucket (decoding requests) whose step graphs are captured with PDL.
+MAX_BUCKET = 1
+_bucket_on = False
+
+
+@contextlib.contextmanager
+def for_bucket(bs: int, mixed: bool = False):
+    """Launches inside (a graph capture of bucket `bs`) use PDL when `PDL` is None and the
+    bucket is a pure-decode one of at most MAX_BUCKET requests."""
+    global _bucket_on
+    was, _bucket_on = _bucket_on, not mixed and bs <= MAX_BUCKET
+    try:
+        yield
+    finally:
+        _bucket_on = was
+
+
+def active() -> bool:
+    """Whether a launch now would ask for PDL (before the device checks)."""
+    return _bucket_on if PDL is None else PDL
 
 
 @cache
@@ -45,7 +72,7 @@ def _capable(index: int) -> bool:
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch on `device`: `launch_pdl` and the kernel's `PDL`
     constexpr when PDL is on and the device is a Hopper-or-later GPU, else none."""
-    if not PDL or device.type != "cuda" or envs.triton_interpreter():
+    if not active() or device.type != "cuda" or envs.triton_interpreter():
         return {}
     if not _capable(device.index if device.index is not None else torch.cuda.current_device()):
         return {}

@@ -176,6 +176,7 @@ class GraphRunner:
         # last plan covered and this one does not, not every row's width.
         self._pages_used = (0, 0)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bs, P (0: decode), all greedy)
+        self.pdl_graphs: set[tuple[int, int, bool]] = set()  # the graphs captured with PDL asked (kernels/pdl.py)
         self.steps = {"decode": 0, "mixed": 0}  # steps this runner ran, by kind
         self.pool = None  # a graph memory pool, shared by every runner of the model runner
         self._warmup_stream = None
@@ -382,12 +383,19 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture_one(self, bs: int, p: int, all_greedy: bool) -> None:
-        with self._on_warmup_stream():
-            for _ in range(1 if p else 2):  # warm up: Triton compiles, cuBLAS picks its kernels (the
-                self.step(bs, all_greedy, p)  # mixed shapes after the decode ones: compiled already)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local" if self.collectives else "global"):
-            self.step(bs, all_greedy, p)
+        from ..kernels import pdl  # (CUDA only: captures never run on CPU)
+
+        # (the smallest decode buckets' graphs chain our kernels with PDL edges: kernels/pdl.py)
+        with pdl.for_bucket(bs, mixed=bool(p)):
+            with self._on_warmup_stream():
+                for _ in range(1 if p else 2):  # warm up: Triton compiles, cuBLAS picks its kernels (the
+                    self.step(bs, all_greedy, p)  # mixed shapes after the decode ones: compiled already)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool,
+                                  capture_error_mode="thread_local" if self.collectives else "global"):
+                self.step(bs, all_greedy, p)
+            if pdl.active():
+                self.pdl_graphs.add((bs, p, all_greedy))
         if self.pool is None:
             self.pool = g.pool()
         self.graphs[(bs, p, all_greedy)] = g
