@@ -82,21 +82,25 @@ def test_a_pdl_kernel_waits_for_the_previous_grid_before_any_global_read(compile
     assert off["wait"] is None and off["signal"] is None, off
 
 
-def test_pdl_is_asked_only_inside_a_small_decode_bucket_unless_forced(monkeypatch):
-    from dflash_engine.kernels import pdl
+def test_pdl_is_asked_only_inside_a_small_decode_graph_unless_forced(monkeypatch):
+    from dflash_engine.kernels import capture_scope, pdl
 
-    assert pdl.PDL is None and pdl.MAX_BUCKET == 1  # by bucket (run 47: c = 1 only gained)
+    assert pdl.PDL is None  # by graph (run 47 / 49: spec on c = 1, spec off c <= 4 gained)
     assert not pdl.active()  # eager launches
-    with pdl.for_bucket(1):
+    with capture_scope.for_bucket(1, 16):  # spec on (B = 16), one request
         assert pdl.active()
-        with pdl.for_bucket(1, mixed=True):  # a mixed step's graph: not measured, not asked
+        with capture_scope.for_bucket(1, 16 + 32, mixed=True):  # a mixed step's graph: not asked
             assert not pdl.active()
         assert pdl.active()  # restored on exit
-    with pdl.for_bucket(2):
+    with capture_scope.for_bucket(2, 32):  # spec on, two requests: 32 rows
+        assert not pdl.active()
+    with capture_scope.for_bucket(4, 4):  # spec off, four requests
+        assert pdl.active()
+    with capture_scope.for_bucket(8, 8):
         assert not pdl.active()
     assert not pdl.active()
     monkeypatch.setattr(pdl, "PDL", False)
-    with pdl.for_bucket(1):
+    with capture_scope.for_bucket(1, 1):
         assert not pdl.active()
     monkeypatch.setattr(pdl, "PDL", True)
     assert pdl.active()

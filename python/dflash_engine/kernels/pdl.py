@@ -16,18 +16,20 @@ RoPE -> paged attention -> split combine; the others follow a GEMM, and gain onl
 cuBLAS's kernel signals its dependents early. tests/test_kernel_pdl.py compiles each for
 sm_90 and checks the wait comes before every global read.
 
-Where it is on: in the step graphs of the smallest batches (`MAX_BUCKET`), where a step is a
-chain of small grids and launch latency shows. Run 47 (H100, Qwen3-8B, K = 15, bench_step
-`--ab dflash_engine.kernels.pdl.PDL`, step ms PDL on / off): 0.986 (spec on) and 0.985 (spec
-off) at c = 1, but 1.002-1.067 at c >= 8, where grids of several waves meet dependents that
-take SMs early to wait on them. The graph runner captures a bucket's graphs inside
-`for_bucket(bs)`; eager steps launch without it. `PDL = True` / `False` forces it on / off
-everywhere (bench_step's A/B switch). The interpreter (no GPU) never launches with it: it
-cannot run the instructions, and `launch_options` gives it nothing.
+Where it is on: in the step graphs of the smallest batches (`MAX_BUCKET` requests and
+`MAX_ROWS` target rows), where a step is a chain of small grids and launch latency shows.
+bench_step `--ab dflash_engine.kernels.pdl.PDL` (H100, Qwen3-8B, K = 15), step ms PDL on /
+off: run 47: 0.986 (spec on) and 0.985 (spec off) at c = 1, spec off 0.993 / 0.997 at c = 4 /
+8, but 1.004-1.067 for spec on at c >= 4 and spec off at c >= 16, where grids of several
+waves meet dependents that take SMs early to wait on them; run 49: spec on 0.985 / 1.001 /
+1.005 and spec off 0.985 / 0.988 / 0.972 at c = 1 / 2 / 4. So: spec on at c = 1 (16 rows),
+spec off up to c = 4. The graph runner captures each decode graph inside
+`capture_scope.for_bucket`; eager steps and mixed-step graphs launch without it. `PDL = True`
+/ `False` forces it on / off everywhere (bench_step's A/B switch). The interpreter (no GPU)
+never launches with it: it cannot run the instructions, and `launch_options` gives it nothing.
 """
 from __future__ import annotations
 
-import contextlib
 from functools import cache
 
 import torch
@@ -36,32 +38,25 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import envs
+from . import capture_scope
 
-__all__ = ["MAX_BUCKET", "PDL", "for_bucket", "launch_options", "wait_then_signal"]
+__all__ = ["MAX_BUCKET", "MAX_ROWS", "PDL", "active", "launch_options", "wait_then_signal"]
 
 # The switch, read at each launch (a step graph captured with it on keeps its edges): None:
-# inside `for_bucket` of a bucket <= MAX_BUCKET only; True / False: everywhere / nowhere.
+# in the capture of a decode graph within MAX_BUCKET and MAX_ROWS only (capture_scope.py); True / False:
+# everywhere / nowhere.
 PDL: bool | None = None
-# The largest decode bucket (decoding requests) whose step graphs are captured with PDL.
-MAX_BUCKET = 1
-_bucket_on = False
-
-
-@contextlib.contextmanager
-def for_bucket(bs: int, mixed: bool = False):
-    """Launches inside (a graph capture of bucket `bs`) use PDL when `PDL` is None and the
-    bucket is a pure-decode one of at most MAX_BUCKET requests."""
-    global _bucket_on
-    was, _bucket_on = _bucket_on, not mixed and bs <= MAX_BUCKET
-    try:
-        yield
-    finally:
-        _bucket_on = was
+# The largest decode graphs captured with PDL: decoding requests, and target rows.
+MAX_BUCKET = 4
+MAX_ROWS = 16
 
 
 def active() -> bool:
     """Whether a launch now would ask for PDL (before the device checks)."""
-    return _bucket_on if PDL is None else PDL
+    if PDL is not None:
+        return PDL
+    scope = capture_scope.decode_bucket()
+    return scope is not None and scope[0] <= MAX_BUCKET and scope[1] <= MAX_ROWS
 
 
 @cache

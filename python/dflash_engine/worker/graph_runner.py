@@ -383,10 +383,10 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture_one(self, bs: int, p: int, all_greedy: bool) -> None:
-        from ..kernels import pdl  # (CUDA only: captures never run on CPU)
+        from ..kernels import capture_scope, pdl  # (CUDA only: captures never run on CPU)
 
-        # (the smallest decode buckets' graphs chain our kernels with PDL edges: kernels/pdl.py)
-        with pdl.for_bucket(bs, mixed=bool(p)):
+        # (launch choices for small batches read the bucket: kernels/capture_scope.py)
+        with capture_scope.for_bucket(bs, bs * self.b, mixed=bool(p)):
             with self._on_warmup_stream():
                 for _ in range(1 if p else 2):  # warm up: Triton compiles, cuBLAS picks its kernels (the
                     self.step(bs, all_greedy, p)  # mixed shapes after the decode ones: compiled already)
