@@ -90,10 +90,13 @@ def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("draft", [True, False])
-def test_a_lone_request_through_the_pdl_graph_equals_eager(qwen3_dir, random_draft_dir, draft):
-    """Bucket 1's decode graphs are captured with PDL edges (kernels/pdl.py) and o_proj's L2
-    prefetch on a side stream (kernels/l2_prefetch.py); a lone request replaying them gives
-    eager's tokens (bf16: the same kernels; only their launches overlap)."""
+def test_a_lone_request_through_the_pdl_graph_equals_eager(qwen3_dir, random_draft_dir, draft, monkeypatch):
+    """Bucket 1's decode graphs are captured with PDL edges (kernels/pdl.py) and, asked for by
+    bucket here, o_proj's L2 prefetch on a side stream (kernels/l2_prefetch.py); a lone request
+    replaying them gives eager's tokens (bf16: the same kernels; only their launches overlap)."""
+    from dflash_engine.kernels import l2_prefetch
+
+    monkeypatch.setattr(l2_prefetch, "PREFETCH", None)
     ps = prompts(3, seed=11)
     kw = dict(model=str(qwen3_dir), device="cuda", dtype="bfloat16", max_num_seqs=1, num_gpu_blocks_override=128,
               speculative_config=spec(random_draft_dir) if draft else None)

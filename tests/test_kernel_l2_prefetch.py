@@ -52,7 +52,10 @@ def test_prefetch_is_asked_only_in_small_decode_graphs_on_a_capable_gpu(monkeypa
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(l2_prefetch, "_capable", lambda index: True)
-    assert l2_prefetch.PREFETCH is None
+    assert l2_prefetch.PREFETCH is False  # off until a device run times it
+    with capture_scope.for_bucket(1, 16):
+        assert not l2_prefetch.active(cuda)
+    monkeypatch.setattr(l2_prefetch, "PREFETCH", None)  # by bucket
     assert not l2_prefetch.active(cuda)  # eager launches
     assert not l2_prefetch.active(torch.device("cpu"))
     with capture_scope.for_bucket(4, 64):

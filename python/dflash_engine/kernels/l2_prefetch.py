@@ -11,9 +11,9 @@ and `join` puts the side stream back into the main one after o_proj (a captured 
 rejoin its forks; the GEMM itself never waits for the prefetch, which is only a hint:
 correctness never depends on it).
 
-Where it is on (`PREFETCH`): None: in the capture of a decode graph within `MAX_BUCKET`
-requests (kernels/capture_scope.py), where the attention window is latency-bound; True /
-False: everywhere / nowhere on a capable GPU (bench_step's A/B switch:
+Where it would be on (`PREFETCH`, off by default until measured): None: in the capture of a
+decode graph within `MAX_BUCKET` requests (kernels/capture_scope.py), where the attention
+window is latency-bound; True / False: everywhere / nowhere on a capable GPU (bench_step's A/B switch:
 `--ab dflash_engine.kernels.l2_prefetch.PREFETCH`). Never on the interpreter or below sm_90
 (`cp.async.bulk.prefetch.L2` is a Hopper instruction). tests/test_kernel_l2_prefetch.py
 compiles the kernel for sm_90 on the CPU and reads the PTX.
@@ -33,7 +33,8 @@ from . import capture_scope
 __all__ = ["MAX_BUCKET", "PREFETCH", "active", "ahead", "join"]
 
 # None: decode graphs of at most MAX_BUCKET requests; True / False: everywhere / nowhere.
-PREFETCH: bool | None = None
+# False until a device run has timed it (bench_step --ab) and run its GPU test.
+PREFETCH: bool | None = False
 MAX_BUCKET = 4
 # Bytes one bulk prefetch asks for (the asm below spells it): a multiple of 16.
 CHUNK = 4096
