@@ -233,6 +233,7 @@ def test_abort_unstarted_drops_only_queued_requests(qwen3_dir):
         done.update({o.request_id: o for o in eng.step()})
     assert sorted(done) == ["0", "1"] and all(len(done[r].outputs[0].token_ids) == 24 for r in done)
     assert eng.abort_unstarted() == []
+    assert len(eng._sampling_table) == 0, "finished and aborted requests leave the sampling table"
 
 
 # ---- with a draft that agrees with the target often (accepted lengths 0, partial, full) ----

@@ -58,3 +58,39 @@ def test_stage_sampling_checks_every_field_before_writing_any():
     out = np.zeros(10, np.int64)
     _core.stage_sampling([(out, np.array([4, 6, 9], np.int64), -1)], [], np.array([0, 3, 6, 7], np.int64), (2, 8))
     assert out.tolist() == [4, 4, 4, 6, 6, 6, -1, -1, 9, -1]
+
+
+def test_the_table_gathers_each_live_requests_parameters_through_random_adds_and_removes():
+    """SamplingTable against a dict of rows: seats reused, the table grown past its capacity,
+    every gather equal to RequestParams built from the rows (values, dtypes, greedy_i64)."""
+    from dflash_engine.worker.sampling_batch import SamplingTable
+
+    rng = np.random.default_rng(7)
+    table, live, next_handle = SamplingTable(capacity=4), {}, 1
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            h = int(rng.choice(list(live)))
+            table.remove(h)
+            del live[h]
+            table.remove(h)  # (a second remove is a no-op)
+        else:
+            row = (bool(rng.random() < 0.5), float(rng.random() + 0.1), int(rng.integers(1, 99)), float(rng.random()),
+                   float(rng.random()), int(rng.integers(0, 1 << 50)))
+            table.add(next_handle, row)
+            live[next_handle] = row
+            next_handle += 1
+        assert len(table) == len(live)
+        if live:
+            handles = rng.permutation(np.array(list(live), np.uint64))[:int(rng.integers(1, len(live) + 1))]
+            counts = rng.integers(0, 4, len(handles))
+            ss = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            got = table.params(handles, ss)
+            want = RequestParams(dict(zip(FIELDS, zip(*[live[int(h)] for h in handles]))), ss)
+            for name in FIELDS:
+                assert got.values[name].dtype == want.values[name].dtype, name
+                assert got.values[name].tolist() == want.values[name].tolist(), name
+            assert got.greedy_i64.tolist() == want.greedy_i64.tolist() and got.all_greedy == want.all_greedy
+            assert got.sample_start.tolist() == ss.tolist()
+    table.add(10**9, (True, 1.0, 1, 1.0, 0.0, 0))
+    with pytest.raises(ValueError, match="already has"):
+        table.add(10**9, (True, 1.0, 1, 1.0, 0.0, 0))

@@ -34,8 +34,7 @@ from .sampling_params import RequestOutputKind, SamplingParams
 from .tokenizer import Tokenizer
 from .worker import step_costs
 from .worker.model_runner import ModelRunner
-from .worker.sampling_batch import FIELDS as SAMPLING_FIELDS
-from .worker.sampling_batch import RequestParams, SamplingBatch
+from .worker.sampling_batch import SamplingBatch, SamplingTable
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +159,7 @@ class LLMEngine:
         # stepping thread) rather than into step()'s return value.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
         self._sampling_cache = None  # (plan key, RequestParams): _sampling_arrays
+        self._sampling_table = SamplingTable()  # every live request's sampling parameters
         self._spec_backlog: list[tuple[np.ndarray, np.ndarray]] = []  # committed, not yet in _stats
 
     @property
@@ -241,6 +241,7 @@ class LLMEngine:
             final_only=final_only or params.output_kind == RequestOutputKind.FINAL_ONLY,
             delta=params.output_kind == RequestOutputKind.DELTA,
         )
+        self._sampling_table.add(handle, self._sampling_row(self._requests[handle]))
         self._stats.prompt_tokens += len(ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -436,11 +437,9 @@ class LLMEngine:
         key = (plan.handles.tobytes(), plan.sample_start.tobytes())
         cached = self._sampling_cache
         if cached is None or cached[0] != key:
-            # One row of parameters per request, made once (a request's parameters never
-            # change): this runs on the critical path between steps whenever the batch changed.
-            rows = [self._sampling_row(self._requests[h]) for h in plan.handles.tolist()]
-            cols = zip(*rows) if rows else ((),) * len(SAMPLING_FIELDS)
-            cached = self._sampling_cache = (key, RequestParams(dict(zip(SAMPLING_FIELDS, cols)), plan.sample_start))
+            # On the critical path between steps whenever the batch changed: one gather per
+            # parameter from the live requests' table (filled at add_request).
+            cached = self._sampling_cache = (key, self._sampling_table.params(plan.handles, plan.sample_start))
         params = cached[1]
         return SamplingBatch(params, plan), params.all_greedy
 
@@ -537,6 +536,7 @@ class LLMEngine:
 
     def _finish(self, handle: int, reason: str, error: str | None = None) -> RequestOutput:
         out = self._requests.pop(handle).finish(reason, error)
+        self._sampling_table.remove(handle)
         if not self._requests:
             self.runner.step_timer.pause()  # the engine is idle now, not the device waiting on it
         return out

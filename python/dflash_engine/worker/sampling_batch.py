@@ -12,6 +12,12 @@ CPU).
 
 Invariant: `RequestParams.values[name][i]` is plan entry i's parameter and `sample_start` the
 plan's offsets, so `rows(name)` is exactly what one array per sample row would hold.
+
+The engine keeps every live request's parameters in a `SamplingTable` (a column per field, a
+seat per request), so a new batch's RequestParams is one gather per column rather than a
+tuple per request turned into six arrays (~14 us for 32 requests on the 2-core CPU, paid at
+almost every step of a churning c = 32 ladder, where prefill chunks and arrivals change the
+batch).
 """
 from __future__ import annotations
 
@@ -42,12 +48,63 @@ class RequestParams:
         self.all_greedy = bool(self.values["greedy"].all())
         self._rows: dict[str, np.ndarray] = {}
 
+    @classmethod
+    def gathered(cls, values: dict[str, np.ndarray], greedy_i64: np.ndarray, sample_start: np.ndarray
+                 ) -> RequestParams:
+        """From columns already typed, contiguous and one value per request (SamplingTable)."""
+        self = cls.__new__(cls)
+        self.values = values
+        self.sample_start = np.ascontiguousarray(sample_start, np.int64)
+        self.greedy_i64 = greedy_i64
+        self.all_greedy = bool(values["greedy"].all())
+        self._rows = {}
+        return self
+
     def rows(self, name: str) -> np.ndarray:
         """Parameter `name` per sample row (made on first read, kept for the batch)."""
         a = self._rows.get(name)
         if a is None:
             a = self._rows[name] = np.repeat(self.values[name], np.diff(self.sample_start))
         return a
+
+
+class SamplingTable:
+    """Each live request's sampling parameters (FIELDS' order), by handle: column arrays with a
+    seat per request, seats reused once freed (the table grows when every seat is taken).
+    Invariant: `len(self)` is the requests added and not removed."""
+
+    def __init__(self, capacity: int = 64):
+        self._cols = {name: np.zeros(capacity, DTYPES[name]) for name in FIELDS}
+        self._greedy_i64 = np.zeros(capacity, np.int64)
+        self._seat: dict[int, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._seat)
+
+    def add(self, handle: int, row: tuple) -> None:
+        if handle in self._seat:
+            raise ValueError(f"request handle {handle} already has sampling parameters")
+        if not self._free:
+            n = len(self._greedy_i64)
+            self._cols = {name: np.concatenate([c, np.zeros(n, c.dtype)]) for name, c in self._cols.items()}
+            self._greedy_i64 = np.concatenate([self._greedy_i64, np.zeros(n, np.int64)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        seat = self._seat[handle] = self._free.pop()
+        for col, value in zip(self._cols.values(), row, strict=True):
+            col[seat] = value
+        self._greedy_i64[seat] = bool(row[0])
+
+    def remove(self, handle: int) -> None:
+        seat = self._seat.pop(handle, None)
+        if seat is not None:
+            self._free.append(seat)
+
+    def params(self, handles: np.ndarray, sample_start: np.ndarray) -> RequestParams:
+        """The RequestParams of a plan's requests (`handles`, in plan order) and sample rows."""
+        seats = np.fromiter(map(self._seat.__getitem__, handles.tolist()), np.intp, len(handles))
+        return RequestParams.gathered({name: col[seats] for name, col in self._cols.items()},
+                                      self._greedy_i64[seats], sample_start)
 
 
 class SamplingBatch(Mapping):
