@@ -90,20 +90,23 @@ def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("draft", [True, False])
-def test_a_lone_request_through_the_pdl_graph_equals_eager(qwen3_dir, random_draft_dir, draft, monkeypatch):
-    """Bucket 1's decode graphs are captured with PDL edges (kernels/pdl.py) and, asked for by
-    bucket here, o_proj's L2 prefetch on a side stream (kernels/l2_prefetch.py); a lone request
-    replaying them gives eager's tokens (bf16: the same kernels; only their launches overlap)."""
+def test_small_batches_through_the_pdl_graphs_equal_eager(qwen3_dir, random_draft_dir, draft, monkeypatch):
+    """The small decode graphs are captured with PDL edges (kernels/pdl.py: spec on at one
+    request, spec off up to four) and, asked for by bucket here, o_proj's L2 prefetch on a side
+    stream (kernels/l2_prefetch.py); requests replaying them give eager's tokens (bf16: the
+    same kernels; only their launches overlap)."""
     from dflash_engine.kernels import l2_prefetch
 
     monkeypatch.setattr(l2_prefetch, "PREFETCH", None)
-    ps = prompts(3, seed=11)
-    kw = dict(model=str(qwen3_dir), device="cuda", dtype="bfloat16", max_num_seqs=1, num_gpu_blocks_override=128,
+    seats = 1 if draft else 4
+    ps = prompts(3 * seats, seed=11)
+    kw = dict(model=str(qwen3_dir), device="cuda", dtype="bfloat16", max_num_seqs=seats, num_gpu_blocks_override=128,
               speculative_config=spec(random_draft_dir) if draft else None)
     llm = LLM(**kw)
     runners = list(llm.engine.runner.graphs.values())
     if torch.cuda.get_device_capability()[0] >= 9:
-        assert all((1, 0, True) in g.pdl_graphs for g in runners), "bucket 1 captured with PDL"
+        want = {(1, 0, True)} if draft else {(1, 0, True), (2, 0, True), (4, 0, True)}
+        assert all(want <= g.pdl_graphs for g in runners), [g.pdl_graphs for g in runners]
     on = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
     del llm
     assert on == tokens(LLM(**kw, enforce_eager=True).generate(ps, GREEDY, use_tqdm=False))
