@@ -312,3 +312,40 @@ def test_greedy_and_sampled_requests_mixed_in_one_batch(trained, learnable_refer
     assert [outs[i] for i in range(0, len(ps), 2)] == [ref[i] for i in range(0, len(ps), 2)]
     alone = [tokens(llm.generate(ps[i], sampled, use_tqdm=False))[0] for i in range(1, len(ps), 2)]
     assert [outs[i] for i in range(1, len(ps), 2)] == alone
+
+
+def test_spec_counters_match_a_per_request_count_through_random_steps():
+    """LLMEngine._record_spec (a histogram and a one-K fast path) against counting each
+    request-step by hand: drafts per step all equal (a fixed K), mixed (prefill entries with
+    none, requests near max_tokens with fewer) or absent."""
+    import types
+
+    from dflash_engine.engine import EngineStats, LLMEngine
+
+    rng = np.random.default_rng(11)
+    k = 7
+    eng = types.SimpleNamespace(_stats=EngineStats(), _accepted_hist=np.zeros(k + 1, np.int64),
+                                num_speculative_tokens=k)
+    ref = dict(drafts=0, tokens=0, accepted=0, per_pos=[0] * k, by_len={}, acc_by_len={})
+    for _ in range(300):
+        r = int(rng.integers(0, 12))
+        kind = rng.integers(0, 3)
+        drafts = (np.full(r, k) if kind == 0 else rng.integers(0, k + 1, r) if kind == 1
+                  else np.zeros(r)).astype(np.int64)
+        accepted = np.array([rng.integers(0, d + 1) for d in drafts.tolist()], np.int64)
+        LLMEngine._record_spec(eng, drafts, accepted)
+        for d, a in zip(drafts.tolist(), accepted.tolist()):
+            if d == 0:
+                continue
+            ref["drafts"] += 1
+            ref["tokens"] += d
+            ref["accepted"] += a
+            for pos in range(a):
+                ref["per_pos"][pos] += 1
+            ref["by_len"][d] = ref["by_len"].get(d, 0) + 1
+            ref["acc_by_len"][d] = ref["acc_by_len"].get(d, 0) + a
+    s = eng._stats
+    assert (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens) == (
+        ref["drafts"], ref["tokens"], ref["accepted"])
+    assert LLMEngine._accepted_per_pos(eng) == ref["per_pos"]
+    assert s.spec_drafts_by_len == ref["by_len"] and s.spec_accepted_by_len == ref["acc_by_len"]
