@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e3
-        dg = engine.runner.graphs.get(16) if args.replay else None
+        dg = engine.runner.graphs.get(spec["num_speculative_tokens"] + 1) if args.replay else None
         replay = None
         if dg is not None and not dg.enforce_eager:
             # The bare captured step of this batch's bucket: what bench_step times as step_ms.

@@ -47,11 +47,11 @@ def test_the_kernel_compiles_to_bulk_l2_prefetches_for_sm90():
 
 
 def test_prefetch_is_asked_only_in_small_decode_graphs_on_a_capable_gpu(monkeypatch):
-    from dflash_engine.kernels import capture_scope, l2_prefetch
+    from dflash_engine.kernels import capture_scope, l2_prefetch, pdl
 
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(l2_prefetch, "_capable", lambda index: True)
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
     assert l2_prefetch.PREFETCH is False  # off until a device run times it
     with capture_scope.for_bucket(1, 16):
         assert not l2_prefetch.active(cuda)
@@ -65,10 +65,10 @@ def test_prefetch_is_asked_only_in_small_decode_graphs_on_a_capable_gpu(monkeypa
         assert not l2_prefetch.active(cuda)
     with capture_scope.for_bucket(1, 16, mixed=True):
         assert not l2_prefetch.active(cuda)
-    monkeypatch.setattr(l2_prefetch, "_capable", lambda index: False)  # below sm_90
+    monkeypatch.setattr(pdl, "_capable", lambda index: False)  # below sm_90
     with capture_scope.for_bucket(1, 16):
         assert not l2_prefetch.active(cuda)
-    monkeypatch.setattr(l2_prefetch, "_capable", lambda index: True)
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
     monkeypatch.setattr(l2_prefetch, "PREFETCH", True)
     assert l2_prefetch.active(cuda)
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -446,14 +446,11 @@ class LLMEngine:
         return SamplingBatch(params, plan), params.all_greedy
 
     def _sampling_row(self, req: RequestState) -> tuple:
-        """(greedy, temperature, top_k, top_p, min_p, seed) of a request (SAMPLING_FIELDS'
-        order), cached on it."""
-        row = req.sampling_row
-        if row is None:
-            x = req.params
-            top_k = x.effective_top_k(self.model_config.vocab_size)
-            row = req.sampling_row = (x.greedy, max(x.temperature, 1e-5), top_k, x.top_p, x.min_p, req.seed)
-        return row
+        """(greedy, temperature, top_k, top_p, min_p, seed) of a request (sampling_batch.FIELDS'
+        order), for the sampling table at admission."""
+        x = req.params
+        top_k = x.effective_top_k(self.model_config.vocab_size)
+        return (x.greedy, max(x.temperature, 1e-5), top_k, x.top_p, x.min_p, req.seed)
 
     def _record_spec(self, drafts: np.ndarray, accepted: np.ndarray) -> None:
         """Count a committed step's drafts and acceptances (drafts, accepted: per plan entry).

@@ -32,7 +32,6 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seed = seed
-        self.sampling_row: tuple | None = None  # the engine's per-row sampling parameters (made once)
         self.token_ids: list[int] = []
         self.final_only = final_only  # no per-step outputs: one when it finishes
         # Each output carries only what is new (RequestOutputKind.DELTA): no copy of the history,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["decode_bucket", "for_bucket"]
+__all__ = ["decode_bucket", "for_bucket", "within"]
 
 _bucket: tuple[int, int] | None = None
 
@@ -30,3 +30,11 @@ def for_bucket(bs: int, rows: int, mixed: bool = False):
 def decode_bucket() -> tuple[int, int] | None:
     """(decoding requests, target rows) of the decode graph being captured, or None."""
     return _bucket
+
+
+def within(max_bucket: int, max_rows: int | None = None) -> bool:
+    """Whether a decode graph of at most `max_bucket` requests (and `max_rows` target rows) is
+    being captured: the rule the small-batch launch choices share."""
+    if _bucket is None:
+        return False
+    return _bucket[0] <= max_bucket and (max_rows is None or _bucket[1] <= max_rows)

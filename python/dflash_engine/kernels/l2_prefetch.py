@@ -20,15 +20,12 @@ compiles the kernel for sm_90 on the CPU and reads the PTX.
 """
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import envs
-from . import capture_scope
+from . import capture_scope, pdl
 
 __all__ = ["MAX_BUCKET", "PREFETCH", "active", "ahead", "join"]
 
@@ -57,23 +54,13 @@ def _prefetch_kernel(base, last, CHUNK_BYTES: tl.constexpr, PER_PROGRAM: tl.cons
     )
 
 
-@cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 _streams: dict[int, torch.cuda.Stream] = {}
 
 
 def active(device: torch.device) -> bool:
     """Whether `ahead` would prefetch on `device` now."""
-    if device.type != "cuda" or envs.triton_interpreter():
-        return False
-    on = PREFETCH
-    if on is None:
-        scope = capture_scope.decode_bucket()
-        on = scope is not None and scope[0] <= MAX_BUCKET
-    return bool(on) and _capable(device.index if device.index is not None else torch.cuda.current_device())
+    on = capture_scope.within(MAX_BUCKET) if PREFETCH is None else PREFETCH
+    return on and pdl.hopper_or_later(device)
 
 
 def ahead(weight: Tensor) -> torch.cuda.Stream | None:

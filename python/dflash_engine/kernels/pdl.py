@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .. import envs
 from . import capture_scope
 
-__all__ = ["MAX_BUCKET", "MAX_ROWS", "PDL", "active", "launch_options", "wait_then_signal"]
+__all__ = ["MAX_BUCKET", "MAX_ROWS", "PDL", "active", "hopper_or_later", "launch_options", "wait_then_signal"]
 
 # The switch, read at each launch (a step graph captured with it on keeps its edges): None:
 # in the capture of a decode graph within MAX_BUCKET and MAX_ROWS only (capture_scope.py); True / False:
@@ -53,10 +53,7 @@ MAX_ROWS = 16
 
 def active() -> bool:
     """Whether a launch now would ask for PDL (before the device checks)."""
-    if PDL is not None:
-        return PDL
-    scope = capture_scope.decode_bucket()
-    return scope is not None and scope[0] <= MAX_BUCKET and scope[1] <= MAX_ROWS
+    return capture_scope.within(MAX_BUCKET, MAX_ROWS) if PDL is None else PDL
 
 
 @cache
@@ -64,12 +61,17 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def hopper_or_later(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9 or more, with real kernels (not the interpreter)."""
+    if device.type != "cuda" or envs.triton_interpreter():
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch on `device`: `launch_pdl` and the kernel's `PDL`
     constexpr when PDL is on and the device is a Hopper-or-later GPU, else none."""
-    if not active() or device.type != "cuda" or envs.triton_interpreter():
-        return {}
-    if not _capable(device.index if device.index is not None else torch.cuda.current_device()):
+    if not active() or not hopper_or_later(device):
         return {}
     return {"launch_pdl": True, "PDL": True}
 

@@ -87,7 +87,7 @@ def logits(hidden: Tensor, weight: Tensor, batch_invariant: bool) -> Tensor:
 def prefetch_ahead(weight: Tensor):
     """Start pulling `weight` into L2 for a GEMM a few kernels later (kernels/l2_prefetch.py:
     small batches' decode graphs on Hopper) -> a handle for `prefetch_join`, or None."""
-    if weight.device.type != "cuda" or envs.triton_interpreter():
+    if not weight.is_cuda:  # (CPU: not even Triton is imported)
         return None
     from ..kernels import l2_prefetch
 

@@ -49,13 +49,13 @@ class RequestParams:
         self._rows: dict[str, np.ndarray] = {}
 
     @classmethod
-    def gathered(cls, values: dict[str, np.ndarray], greedy_i64: np.ndarray, sample_start: np.ndarray
-                 ) -> RequestParams:
-        """From columns already typed, contiguous and one value per request (SamplingTable)."""
+    def gathered(cls, values: dict[str, np.ndarray], sample_start: np.ndarray) -> RequestParams:
+        """From columns already typed, contiguous and one value per request (SamplingTable:
+        skips the checks, ~2 us of ~7 for 32 requests)."""
         self = cls.__new__(cls)
         self.values = values
         self.sample_start = np.ascontiguousarray(sample_start, np.int64)
-        self.greedy_i64 = greedy_i64
+        self.greedy_i64 = values["greedy"].astype(np.int64)
         self.all_greedy = bool(values["greedy"].all())
         self._rows = {}
         return self
@@ -75,7 +75,6 @@ class SamplingTable:
 
     def __init__(self, capacity: int = 64):
         self._cols = {name: np.zeros(capacity, DTYPES[name]) for name in FIELDS}
-        self._greedy_i64 = np.zeros(capacity, np.int64)
         self._seat: dict[int, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -86,14 +85,12 @@ class SamplingTable:
         if handle in self._seat:
             raise ValueError(f"request handle {handle} already has sampling parameters")
         if not self._free:
-            n = len(self._greedy_i64)
+            n = len(self._cols["seed"])
             self._cols = {name: np.concatenate([c, np.zeros(n, c.dtype)]) for name, c in self._cols.items()}
-            self._greedy_i64 = np.concatenate([self._greedy_i64, np.zeros(n, np.int64)])
             self._free = list(range(2 * n - 1, n - 1, -1))
         seat = self._seat[handle] = self._free.pop()
         for col, value in zip(self._cols.values(), row, strict=True):
             col[seat] = value
-        self._greedy_i64[seat] = bool(row[0])
 
     def remove(self, handle: int) -> None:
         seat = self._seat.pop(handle, None)
@@ -103,8 +100,7 @@ class SamplingTable:
     def params(self, handles: np.ndarray, sample_start: np.ndarray) -> RequestParams:
         """The RequestParams of a plan's requests (`handles`, in plan order) and sample rows."""
         seats = np.fromiter(map(self._seat.__getitem__, handles.tolist()), np.intp, len(handles))
-        return RequestParams.gathered({name: col[seats] for name, col in self._cols.items()},
-                                      self._greedy_i64[seats], sample_start)
+        return RequestParams.gathered({name: col[seats] for name, col in self._cols.items()}, sample_start)
 
 
 class SamplingBatch(Mapping):
