@@ -90,14 +90,10 @@ def test_graphs_equal_eager_and_spec_on_equals_spec_off(qwen3_dir, random_draft_
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("draft", [True, False])
-def test_small_batches_through_the_pdl_graphs_equal_eager(qwen3_dir, random_draft_dir, draft, monkeypatch):
+def test_small_batches_through_the_pdl_graphs_equal_eager(qwen3_dir, random_draft_dir, draft):
     """The small decode graphs are captured with PDL edges (kernels/pdl.py: spec on at one
-    request, spec off up to four) and, asked for by bucket here, o_proj's L2 prefetch on a side
-    stream (kernels/l2_prefetch.py); requests replaying them give eager's tokens (bf16: the
+    request, spec off up to four); requests replaying them give eager's tokens (bf16: the
     same kernels; only their launches overlap)."""
-    from dflash_engine.kernels import l2_prefetch
-
-    monkeypatch.setattr(l2_prefetch, "PREFETCH", None)
     seats = 1 if draft else 4
     ps = prompts(3 * seats, seed=11)
     kw = dict(model=str(qwen3_dir), device="cuda", dtype="bfloat16", max_num_seqs=seats, num_gpu_blocks_override=128,

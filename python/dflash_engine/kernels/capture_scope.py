@@ -2,8 +2,7 @@
 of the graph the graph runner is capturing, or None (eager launches, mixed-step graphs).
 
 Launch-time choices that pay only for small batches read it: programmatic dependent launch
-(kernels/pdl.py) and the L2 prefetch of the attention's output projection
-(kernels/l2_prefetch.py). One place sets it (GraphRunner._capture_one), so a graph's
+(kernels/pdl.py). One place sets it (GraphRunner._capture_one), so a graph's
 choices are fixed when it is captured and every replay runs them.
 """
 from __future__ import annotations

@@ -100,8 +100,6 @@ class Attention(nn.Module):
     ) -> Tensor:
         k_cache, v_cache = kv_layer
         qkv = self.qkv_proj(x)
-        # o_proj's weight into L2 while the attention below keeps HBM idle (small batches' graphs)
-        side = dispatch.prefetch_ahead(self.o_proj.weight)
         q = dispatch.qk_norm_rope_store(  # K, V of these rows go into the caches at their slots
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
             None if self.q_norm is None else self.q_norm.weight,
@@ -110,9 +108,7 @@ class Attention(nn.Module):
         # The exact mode's attention follows the model's GEMM flag (set_batch_invariant).
         out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale, self.qkv_proj.batch_invariant,
                                        self.window)
-        out = self.o_proj(out.flatten(1))
-        dispatch.prefetch_join(side)
-        return out
+        return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):

@@ -84,23 +84,6 @@ def logits(hidden: Tensor, weight: Tensor, batch_invariant: bool) -> Tensor:
     return _lin.linear(hidden, weight, None, batch_invariant).float()
 
 
-def prefetch_ahead(weight: Tensor):
-    """Start pulling `weight` into L2 for a GEMM a few kernels later (kernels/l2_prefetch.py:
-    small batches' decode graphs on Hopper) -> a handle for `prefetch_join`, or None."""
-    if not weight.is_cuda:  # (CPU: not even Triton is imported)
-        return None
-    from ..kernels import l2_prefetch
-
-    return l2_prefetch.ahead(weight)
-
-
-def prefetch_join(handle) -> None:
-    if handle is not None:
-        from ..kernels import l2_prefetch
-
-        l2_prefetch.join(handle)
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if use_kernels(x):
         from ..kernels import norm
