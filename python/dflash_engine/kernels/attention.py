@@ -349,6 +349,11 @@ _MAX_BLOCK_M = 128
 # launch at c = 1 on the H200 (run 30), 22% of the step.
 COMBINE_SUB_M = 32
 COMBINE_BLOCK_D = 64
+# The combine visits the splits COMBINE_UNROLL at a time, their loads in flight together
+# (False: one at a time, a memory round trip per split: run 50's profile had the combine at
+# 10.6 us a launch against the attention's 8.8 at c = 1). A switch for bench_step --ab.
+COMBINE_UNROLLED = True
+COMBINE_UNROLL = 8
 # The default mode's smallest tile, in query rows: decode (1 row) and verify blocks (up to 16
 # rows: K <= 15) share one geometry, so speculation does not change a decode row's bits.
 DECODE_TILE_ROWS = 16
@@ -520,7 +525,7 @@ def paged_attention(
             num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
             PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed, SPLIT_TILES=split_tiles,
-            SUB_M=sub_m, BLOCK_D=block_d, num_warps=4, **pdl,
+            SUB_M=sub_m, BLOCK_D=block_d, UNROLL=COMBINE_UNROLL if COMBINE_UNROLLED else 1, num_warps=4, **pdl,
         )
     return out
 
