@@ -103,6 +103,7 @@ from torch import Tensor
 from .attention_splits import (
     _DECODE_SPLIT_TILES,
     MAX_SPLITS,
+    _combine_slice,
     _combine_splits_kernel,
     _row_splits,
     _window_lo,
@@ -217,7 +218,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, ALL_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    cnt_ptr=None, FOLD: tl.constexpr = False, SUB_M: tl.constexpr = 32, BLOCK_D: tl.constexpr = 64,
+    UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     wait_then_signal(PDL)  # (kernels/pdl.py: before any read)
     pid_rq = tl.program_id(0)  # request * num_q_blocks + query block
@@ -340,6 +342,25 @@ def _paged_attention_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + pidx, lse, mask=part_ok)
         tl.store(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=part_ok[:, None])
+        if FOLD:
+            # The last of this (query block, KV head)'s splits to finish combines them all (no
+            # combine launch): each split counts itself in after its partials are written.
+            if SPLIT_TILES > 0:  # the programs that did not return above
+                active = tl.minimum(num_splits, tl.cdiv(num_tiles, SPLIT_TILES) - lo_tile // SPLIT_TILES)
+            else:
+                active = num_splits
+            tl.debug_barrier()  # every thread's partial stores come before the release below
+            counter = cnt_ptr + pid_rq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch (graph replays)
+                for sub in tl.static_range(BLOCK_M // SUB_M):
+                    if (row0 + (sub * SUB_M) // GROUP < q_len) & (sub * SUB_M < BLOCK_Q * GROUP):
+                        for d_slice in tl.static_range(HEAD_DIM // BLOCK_D):
+                            _combine_slice(out_ptr, part_o_ptr, part_lse_ptr, q_start, q_len, seq_len, row0,
+                                           kv_head, sub, d_slice, tl.num_programs(1), num_splits, part_rows,
+                                           max_pages, window, stride_ot, stride_oh, stride_od, GROUP, BLOCK_Q,
+                                           BLOCK_N, HEAD_DIM, PAGE, CAUSAL, WINDOWED, SPLIT_TILES, SUB_M,
+                                           BLOCK_D, UNROLL, True)
 
 
 # Tiles hold at most this many packed (query row x GQA head) rows.
@@ -354,6 +375,22 @@ COMBINE_BLOCK_D = 64
 # 10.6 us a launch against the attention's 8.8 at c = 1). A switch for bench_step --ab.
 COMBINE_UNROLLED = True
 COMBINE_UNROLL = 8
+# The combine folded into the attention launch: the last split of each (query block, KV
+# head) to finish, counted on a per-device array of self-resetting counters, combines that
+# tile's partials (no second launch). Off until a device run times it (bench_step --ab).
+COMBINE_IN_LAST_SPLIT = False
+# Counters of the fold: a call folds only when its (query block, KV head) tiles fit.
+FOLD_COUNTERS = 1 << 15
+_fold_counters: dict[torch.device, Tensor] = {}
+
+
+def _counters(device: torch.device) -> Tensor | None:
+    """The fold's counters on `device` (int32 zeros, each put back to 0 by the split that
+    used it), made on first use outside a graph capture; None inside a capture before that."""
+    cnt = _fold_counters.get(device)
+    if cnt is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        cnt = _fold_counters[device] = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
+    return cnt
 # The default mode's smallest tile, in query rows: decode (1 row) and verify blocks (up to 16
 # rows: K <= 15) share one geometry, so speculation does not change a decode row's bits.
 DECODE_TILE_ROWS = 16
@@ -507,6 +544,11 @@ def paged_attention(
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     num_warps, num_stages = _launch_config(block_m, head_dim)
     pdl = launch_options(q.device)
+    sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
+    unroll = COMBINE_UNROLL if COMBINE_UNROLLED else 1
+    counters = None
+    if num_splits > 1 and COMBINE_IN_LAST_SPLIT and grid[0] * n_kv <= FOLD_COUNTERS:
+        counters = _counters(q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         query_start_loc, seq_lens, page_tables,
@@ -516,16 +558,16 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed,
         SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=all_masked, DOT_PRECISION=precision,
+        cnt_ptr=counters, FOLD=counters is not None, SUB_M=sub_m, BLOCK_D=block_d, UNROLL=unroll,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
-    if num_splits > 1:  # (with one split every row was final in the main kernel)
-        sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
+    if num_splits > 1 and counters is None:  # (one split: every row was final in the main kernel)
         _combine_splits_kernel[(grid[0], n_kv * (block_m // sub_m), head_dim // block_d)](
             out, part_o, part_lse, query_start_loc, seq_lens,
             num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
             PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed, SPLIT_TILES=split_tiles,
-            SUB_M=sub_m, BLOCK_D=block_d, UNROLL=COMBINE_UNROLL if COMBINE_UNROLLED else 1, num_warps=4, **pdl,
+            SUB_M=sub_m, BLOCK_D=block_d, UNROLL=unroll, num_warps=4, **pdl,
         )
     return out
 
