@@ -386,7 +386,9 @@ _fold_counters: dict[torch.device, Tensor] = {}
 
 def _counters(device: torch.device) -> Tensor | None:
     """The fold's counters on `device` (int32 zeros, each put back to 0 by the split that
-    used it), made on first use outside a graph capture; None inside a capture before that."""
+    used it), made on first use outside a graph capture (the graph runner's eager warm-up
+    steps make them); None inside a capture before that. One set per device: attention
+    launches on one device must not run concurrently (the engine has one compute stream)."""
     cnt = _fold_counters.get(device)
     if cnt is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         cnt = _fold_counters[device] = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
