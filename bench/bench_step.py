@@ -69,7 +69,10 @@ def _phase_graph(dg, bs: int, phase: str):
 
     if dg.device.type != "cuda":
         return run
-    with torch.inference_mode():
+    from dflash_engine.kernels import capture_scope
+
+    # As the graph runner captures the bucket (its launch choices for small batches: PDL).
+    with torch.inference_mode(), capture_scope.for_bucket(bs, bs * dg.b):
         stream = torch.cuda.Stream(dg.device)
         stream.wait_stream(torch.cuda.current_stream(dg.device))
         with torch.cuda.stream(stream):
