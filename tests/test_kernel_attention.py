@@ -168,7 +168,7 @@ def test_combine_unrolled_gives_the_bits_of_one_split_at_a_time(monkeypatch, cau
     the same sum in the same order as one split at a time, so the same bits, for rows whose
     own split counts differ (fixed-size splits: 3 to 21 of them, more than one unrolled run and
     not a multiple of it) and for a split count (11) across a non-causal call."""
-    from dflash_engine.kernels import attention as kattn
+    from dflash_engine.kernels import attention_splits as kattn
 
     q, k_cache, v_cache, meta = make_case([16, 1, 5], [1300, 190, 700], n_kv=2, group=2, head_dim=32,
                                           page_size=16, dtype=torch.float32, causal=causal, seed=5)
@@ -191,7 +191,8 @@ def test_combine_folded_into_the_last_split_gives_the_combine_kernels_bits(monke
     in combines the tile's partials inside the attention launch: the combine kernel's bits,
     for fixed-size and counted splits, with and without a window, twice in a row (the
     counters are back at zero after each launch)."""
-    from dflash_engine.kernels import attention as kattn
+    from dflash_engine.kernels import attention_splits as kattn
+    from dflash_engine.kernels import ticket_counters
 
     q, k_cache, v_cache, meta = make_case([16, 1, 5, 0], [1300, 190, 700, 0], n_kv=2, group=2, head_dim=32,
                                           page_size=16, dtype=torch.float32, causal=causal, seed=6)
@@ -203,15 +204,15 @@ def test_combine_folded_into_the_last_split_gives_the_combine_kernels_bits(monke
                         16, out=out, num_splits=num_splits, split_keys=split_keys, window=window)
         return out
 
-    monkeypatch.setattr(kattn, "_fold_counters", {})
+    monkeypatch.setattr(ticket_counters, "_buffers", {})
     want = run()
-    assert not kattn._fold_counters  # no fold asked: no counters made
+    assert not ticket_counters._buffers  # no fold asked: no counters made
     monkeypatch.setattr(kattn, "COMBINE_IN_LAST_SPLIT", True)
     for _ in range(2):
         got = run()
         assert torch.equal(got[:n_rows], want[:n_rows])
         assert torch.isnan(got[n_rows:]).all()
-        (counters,) = kattn._fold_counters.values()
+        (counters,) = ticket_counters._buffers.values()
         assert int(counters.abs().sum()) == 0
     if window is None:
         ref = ref_paged_attention(q[:n_rows], k_cache, v_cache, meta, 0.17)

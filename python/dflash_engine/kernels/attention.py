@@ -100,6 +100,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import attention_splits as split_rules
+from . import ticket_counters
 from .attention_splits import (
     _DECODE_SPLIT_TILES,
     MAX_SPLITS,
@@ -365,34 +367,6 @@ def _paged_attention_kernel(
 
 # Tiles hold at most this many packed (query row x GQA head) rows.
 _MAX_BLOCK_M = 128
-# The combine's slice of a tile: packed rows x head dims per program (attention_splits.py).
-# Whole tiles (up to 128 x 256 fp32) spilled: the Qwen3.5-27B shape's combine took 327 us a
-# launch at c = 1 on the H200 (run 30), 22% of the step.
-COMBINE_SUB_M = 32
-COMBINE_BLOCK_D = 64
-# The combine visits the splits COMBINE_UNROLL at a time, their loads in flight together
-# (False: one at a time, a memory round trip per split: run 50's profile had the combine at
-# 10.6 us a launch against the attention's 8.8 at c = 1). A switch for bench_step --ab.
-COMBINE_UNROLLED = True
-COMBINE_UNROLL = 8
-# The combine folded into the attention launch: the last split of each (query block, KV
-# head) to finish, counted on a per-device array of self-resetting counters, combines that
-# tile's partials (no second launch). Off until a device run times it (bench_step --ab).
-COMBINE_IN_LAST_SPLIT = False
-# Counters of the fold: a call folds only when its (query block, KV head) tiles fit.
-FOLD_COUNTERS = 1 << 15
-_fold_counters: dict[torch.device, Tensor] = {}
-
-
-def _counters(device: torch.device) -> Tensor | None:
-    """The fold's counters on `device` (int32 zeros, each put back to 0 by the split that
-    used it), made on first use outside a graph capture (the graph runner's eager warm-up
-    steps make them); None inside a capture before that. One set per device: attention
-    launches on one device must not run concurrently (the engine has one compute stream)."""
-    cnt = _fold_counters.get(device)
-    if cnt is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        cnt = _fold_counters[device] = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
-    return cnt
 # The default mode's smallest tile, in query rows: decode (1 row) and verify blocks (up to 16
 # rows: K <= 15) share one geometry, so speculation does not change a decode row's bits.
 DECODE_TILE_ROWS = 16
@@ -546,11 +520,11 @@ def paged_attention(
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     num_warps, num_stages = _launch_config(block_m, head_dim)
     pdl = launch_options(q.device)
-    sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
-    unroll = COMBINE_UNROLL if COMBINE_UNROLLED else 1
-    counters = None
-    if num_splits > 1 and COMBINE_IN_LAST_SPLIT and grid[0] * n_kv <= FOLD_COUNTERS:
-        counters = _counters(q.device)
+    sub_m, block_d = min(block_m, split_rules.COMBINE_SUB_M), min(head_dim, split_rules.COMBINE_BLOCK_D)
+    unroll = split_rules.COMBINE_UNROLL if split_rules.COMBINE_UNROLLED else 1
+    counters = None  # (the module's switches are read at each call: bench_step --ab)
+    if num_splits > 1 and split_rules.COMBINE_IN_LAST_SPLIT:
+        counters = ticket_counters.counters("attention", q.device, grid[0] * n_kv, split_rules.FOLD_COUNTERS)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         query_start_loc, seq_lens, page_tables,

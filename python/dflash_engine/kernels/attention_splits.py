@@ -39,6 +39,24 @@ ONE_WAVE_DECODE_SPLITS = True
 ONE_WAVE_COUNT_SPLITS = False
 
 
+# The combine's slice of a tile: packed rows x head dims per program .
+# Whole tiles (up to 128 x 256 fp32) spilled: the Qwen3.5-27B shape's combine took 327 us a
+# launch at c = 1 on the H200 (run 30), 22% of the step.
+COMBINE_SUB_M = 32
+COMBINE_BLOCK_D = 64
+# The combine visits the splits COMBINE_UNROLL at a time, their loads in flight together
+# (False: one at a time, a memory round trip per split: run 50's profile had the combine at
+# 10.6 us a launch against the attention's 8.8 at c = 1). A switch for bench_step --ab.
+COMBINE_UNROLLED = True
+COMBINE_UNROLL = 8
+# The combine folded into the attention launch: the last split of each (query block, KV
+# head) to finish, counted on a per-device array of self-resetting counters, combines that
+# tile's partials (no second launch). Off until a device run times it (bench_step --ab).
+COMBINE_IN_LAST_SPLIT = False
+# Ticket counters of the fold (ticket_counters.py): one per (query block, KV head) tile.
+FOLD_COUNTERS = 1 << 15
+
+
 def _least_split_tiles(block_n: int) -> int:
     """Key tiles in the smallest split either rule makes: two, and MIN_SPLIT_KEYS keys."""
     return max(2, -(-MIN_SPLIT_KEYS // block_n))
