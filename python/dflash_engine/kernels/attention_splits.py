@@ -45,9 +45,11 @@ ONE_WAVE_COUNT_SPLITS = False
 COMBINE_SUB_M = 32
 COMBINE_BLOCK_D = 64
 # The combine visits the splits COMBINE_UNROLL at a time, their loads in flight together
-# (False: one at a time, a memory round trip per split: run 50's profile had the combine at
-# 10.6 us a launch against the attention's 8.8 at c = 1). A switch for bench_step --ab.
-COMBINE_UNROLLED = True
+# (False: one at a time, a memory round trip per split, as before run 50, whose profile had the
+# combine at 10.6 us a launch against the attention's 8.8 at c = 1). Off until a device run
+# times it (bench_step --ab; no device was lent after it was built): compiled for sm_90 on the
+# CPU it takes 128 registers (119 one split at a time) and spills nothing.
+COMBINE_UNROLLED = False
 COMBINE_UNROLL = 8
 # The combine folded into the attention launch: the last split of each (query block, KV
 # head) to finish, counted on a per-device array of self-resetting counters, combines that
