@@ -9,6 +9,13 @@ with `triton.compile(..., target=GPUTarget("cuda", 90, 32))` (Triton's bundled p
 interpreter accepts constructs the compiler rejects, so a kernel that passes the CPU tests
 can still fail to build on the device. Prints one line per variant and exits 1 if any fails.
 The local Triton may be newer than the device's (docs/GPU_NOTES.md).
+
+`--regs` (first argument) adds each variant's registers and spill bytes, from `ptxas -v` (the
+ptxas Triton compiles with), at the launch's num_warps / num_stages: a kernel change's register
+pressure read without a device. `--triton DIR` (after it) compiles with the Triton installed in
+DIR instead (the recording pass keeps the local one, whose interpreter the tests run on): the
+device's (3.6 with torch 2.11) is `pip install --no-deps --target /tmp/tr36 triton==3.6.0`, then
+`python bench/compile_check.py --regs --triton /tmp/tr36 tests/test_kernel_attention.py`.
 """
 from __future__ import annotations
 
@@ -78,7 +85,27 @@ def record(pytest_args: list[str], out_path: str) -> int:
     return int(rc)
 
 
-def compile_all(path: str) -> int:
+def _ptxas_report(ptx: str) -> str:
+    """'R regs, S B spilled' of a PTX module compiled for sm_90a by Triton's own ptxas."""
+    import re
+
+    from triton.backends.nvidia import compiler as nv
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([nv.get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    if regs is None:
+        return "ptxas: " + (log.strip().splitlines() or ["no output"])[-1][:120]
+    return f"{regs.group(1)} regs, {sum(spills)} B spilled"
+
+
+def compile_all(path: str, regs: bool = False) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -92,8 +119,9 @@ def compile_all(path: str) -> int:
         what = f"{e['module'].rsplit('.', 1)[-1]}.{e['name']} " + ",".join(
             f"{k}={v}" for k, v in consts.items() if v is not None and not isinstance(v, str))[:150]
         try:
-            triton.compile(ASTSource(fn, e["signature"], consts), target=target, options=e["options"])
-            print(f"OK    {what}", flush=True)
+            kernel = triton.compile(ASTSource(fn, e["signature"], consts), target=target, options=e["options"])
+            note = f"  [{_ptxas_report(kernel.asm['ptx'])}, {e['options']}]" if regs else ""
+            print(f"OK    {what}{note}", flush=True)
         except Exception as exc:  # noqa: BLE001  (report every variant)
             failed += 1
             print(f"FAIL  {what}\n      {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}", flush=True)
@@ -103,7 +131,12 @@ def compile_all(path: str) -> int:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--compile"]:
-        return compile_all(argv[1])
+        return compile_all(argv[1], regs=argv[2:3] == ["--regs"])
+    regs = argv[:1] == ["--regs"]
+    argv = argv[1:] if regs else argv
+    triton_dir = None
+    if argv[:1] == ["--triton"]:
+        triton_dir, argv = argv[1], argv[2:]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "variants.json")
         rc = subprocess.call([sys.executable, __file__, "--record", path, *argv])
@@ -111,7 +144,9 @@ def main(argv: list[str]) -> int:
             print(f"the recording run failed (pytest exit {rc})")
             return 1
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DFLASH_KERNELS_ON_CPU")}
-        return subprocess.call([sys.executable, __file__, "--compile", path], env=env)
+        if triton_dir:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [triton_dir, env.get("PYTHONPATH")]))
+        return subprocess.call([sys.executable, __file__, "--compile", path, *(["--regs"] if regs else [])], env=env)
 
 
 if __name__ == "__main__":
