@@ -39,7 +39,7 @@ ONE_WAVE_DECODE_SPLITS = True
 ONE_WAVE_COUNT_SPLITS = False
 
 
-# The combine's slice of a tile: packed rows x head dims per program .
+# The combine's slice of a tile: packed rows x head dims per program.
 # Whole tiles (up to 128 x 256 fp32) spilled: the Qwen3.5-27B shape's combine took 327 us a
 # launch at c = 1 on the H200 (run 30), 22% of the step.
 COMBINE_SUB_M = 32
