@@ -168,7 +168,7 @@ def test_combine_unrolled_gives_the_bits_of_one_split_at_a_time(monkeypatch, cau
     the same sum in the same order as one split at a time, so the same bits, for rows whose
     own split counts differ (fixed-size splits: 3 to 21 of them, more than one unrolled run and
     not a multiple of it) and for a split count (11) across a non-causal call."""
-    from dflash_engine.kernels import attention_splits as kattn
+    from dflash_engine.kernels import attention as kattn
 
     q, k_cache, v_cache, meta = make_case([16, 1, 5], [1300, 190, 700], n_kv=2, group=2, head_dim=32,
                                           page_size=16, dtype=torch.float32, causal=causal, seed=5)
@@ -181,42 +181,6 @@ def test_combine_unrolled_gives_the_bits_of_one_split_at_a_time(monkeypatch, cau
     n_rows = meta.query_start_loc_cpu[-1]
     assert torch.equal(outs[0][:n_rows], outs[1][:n_rows])
     assert rel_err(outs[0][:n_rows], ref_paged_attention(q[:n_rows], k_cache, v_cache, meta, 0.17)) < 1e-4
-
-
-@pytest.mark.parametrize("causal,split_keys,num_splits,window", [
-    (True, 64, None, None), (False, None, 11, None), (True, 64, None, 300), (False, None, 5, 200)])
-def test_combine_folded_into_the_last_split_gives_the_combine_kernels_bits(monkeypatch, causal, split_keys,
-                                                                           num_splits, window):
-    """COMBINE_IN_LAST_SPLIT: the last split of each (query block, KV head) to count itself
-    in combines the tile's partials inside the attention launch: the combine kernel's bits,
-    for fixed-size and counted splits, with and without a window, twice in a row (the
-    counters are back at zero after each launch)."""
-    from dflash_engine.kernels import attention_splits as kattn
-    from dflash_engine.kernels import ticket_counters
-
-    q, k_cache, v_cache, meta = make_case([16, 1, 5, 0], [1300, 190, 700, 0], n_kv=2, group=2, head_dim=32,
-                                          page_size=16, dtype=torch.float32, causal=causal, seed=6)
-    n_rows = meta.query_start_loc_cpu[-1]
-
-    def run():
-        out = torch.full_like(q, float("nan"))
-        paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, table_of(meta), 0.17, causal,
-                        16, out=out, num_splits=num_splits, split_keys=split_keys, window=window)
-        return out
-
-    monkeypatch.setattr(ticket_counters, "_buffers", {})
-    want = run()
-    assert not ticket_counters._buffers  # no fold asked: no counters made
-    monkeypatch.setattr(kattn, "COMBINE_IN_LAST_SPLIT", True)
-    for _ in range(2):
-        got = run()
-        assert torch.equal(got[:n_rows], want[:n_rows])
-        assert torch.isnan(got[n_rows:]).all()
-        (counters,) = ticket_counters._buffers.values()
-        assert int(counters.abs().sum()) == 0
-    if window is None:
-        ref = ref_paged_attention(q[:n_rows], k_cache, v_cache, meta, 0.17)
-        assert rel_err(got[:n_rows], ref) < 1e-4
 
 
 def test_paged_attention_strided_q_and_default_out():

@@ -89,7 +89,7 @@ def test_bench_smoke_runs_and_checks_every_config(tmp_path) -> None:
 def test_folded_reduce_gives_the_reduce_kernels_bits_in_one_launch(monkeypatch) -> None:
     """The last split of each tile sums the partials (same order, same bits as the reduce
     kernel), no second launch, and the ticket counters are zero again after each call."""
-    from dflash_engine.kernels import skinny_gemm, ticket_counters
+    from dflash_engine.kernels import skinny_gemm
 
     x, w, b = _rand(7, 200, seed=13), _rand(70, 200, seed=14), _rand(70, seed=15)
     for split in (2, 3, 8):
@@ -100,4 +100,4 @@ def test_folded_reduce_gives_the_reduce_kernels_bits_in_one_launch(monkeypatch) 
             got = skinny_matmul(x, w, b, SkinnyConfig(block_n=16, block_k=32, split_k=split, fold_reduce=True))
             assert torch.equal(got, want), split
         monkeypatch.undo()
-        assert not ticket_counters._buffers[("skinny_gemm", x.device)].any()
+        assert not skinny_gemm._fold_counter_buffers[x.device].any()

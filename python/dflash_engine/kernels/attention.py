@@ -100,12 +100,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import attention_splits as split_rules
-from . import ticket_counters
 from .attention_splits import (
     _DECODE_SPLIT_TILES,
     MAX_SPLITS,
-    _combine_slice,
     _combine_splits_kernel,
     _row_splits,
     _window_lo,
@@ -220,8 +217,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, ALL_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    cnt_ptr=None, FOLD: tl.constexpr = False, SUB_M: tl.constexpr = 32, BLOCK_D: tl.constexpr = 64,
-    UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_then_signal(PDL)  # (kernels/pdl.py: before any read)
     pid_rq = tl.program_id(0)  # request * num_q_blocks + query block
@@ -344,29 +340,25 @@ def _paged_attention_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + pidx, lse, mask=part_ok)
         tl.store(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=part_ok[:, None])
-        if FOLD:
-            # The last of this (query block, KV head)'s splits to finish combines them all (no
-            # combine launch): each split counts itself in after its partials are written.
-            if SPLIT_TILES > 0:  # the programs that did not return above
-                active = tl.minimum(num_splits, tl.cdiv(num_tiles, SPLIT_TILES) - lo_tile // SPLIT_TILES)
-            else:
-                active = num_splits
-            tl.debug_barrier()  # every thread's partial stores come before the release below
-            counter = cnt_ptr + pid_rq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
-                tl.atomic_xchg(counter, 0)  # zero again for the next launch (graph replays)
-                for sub in tl.static_range(BLOCK_M // SUB_M):
-                    if (row0 + (sub * SUB_M) // GROUP < q_len) & (sub * SUB_M < BLOCK_Q * GROUP):
-                        for d_slice in tl.static_range(HEAD_DIM // BLOCK_D):
-                            _combine_slice(out_ptr, part_o_ptr, part_lse_ptr, q_start, q_len, seq_len, row0,
-                                           kv_head, sub, d_slice, tl.num_programs(1), num_splits, part_rows,
-                                           max_pages, window, stride_ot, stride_oh, stride_od, GROUP, BLOCK_Q,
-                                           BLOCK_N, HEAD_DIM, PAGE, CAUSAL, WINDOWED, SPLIT_TILES, SUB_M,
-                                           BLOCK_D, UNROLL, True)
 
 
 # Tiles hold at most this many packed (query row x GQA head) rows.
 _MAX_BLOCK_M = 128
+# The combine's slice of a tile: packed rows x head dims per program (attention_splits.py).
+# Whole tiles (up to 128 x 256 fp32) spilled: the Qwen3.5-27B shape's combine took 327 us a
+# launch at c = 1 on the H200 (run 30), 22% of the step.
+COMBINE_SUB_M = 32
+COMBINE_BLOCK_D = 64
+# The combine visits the splits COMBINE_UNROLL at a time, their loads in flight together
+# (False: one at a time, a memory round trip per split, as before run 50, whose profile had the
+# combine at 10.6 us a launch against the attention's 8.8 at c = 1). Off until a device run
+# times it (bench_step --ab; no device was lent after it was built). Compiled for sm_90 by the
+# device's Triton (3.6): 128 registers, 8 B spilled (one at a time: 119, none). (Folding the
+# combine into the last split instead was measured slower in run 42 and again rebuilt and
+# dropped unmeasured in run 50's session: one program combining a tile costs more than the
+# launch it saves.)
+COMBINE_UNROLLED = False
+COMBINE_UNROLL = 8
 # The default mode's smallest tile, in query rows: decode (1 row) and verify blocks (up to 16
 # rows: K <= 15) share one geometry, so speculation does not change a decode row's bits.
 DECODE_TILE_ROWS = 16
@@ -520,11 +512,6 @@ def paged_attention(
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     num_warps, num_stages = _launch_config(block_m, head_dim)
     pdl = launch_options(q.device)
-    sub_m, block_d = min(block_m, split_rules.COMBINE_SUB_M), min(head_dim, split_rules.COMBINE_BLOCK_D)
-    unroll = split_rules.COMBINE_UNROLL if split_rules.COMBINE_UNROLLED else 1
-    counters = None  # (the module's switches are read at each call: bench_step --ab)
-    if num_splits > 1 and split_rules.COMBINE_IN_LAST_SPLIT:
-        counters = ticket_counters.counters("attention", q.device, grid[0] * n_kv, split_rules.FOLD_COUNTERS)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         query_start_loc, seq_lens, page_tables,
@@ -534,16 +521,16 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed,
         SPLIT=split, SPLIT_TILES=split_tiles, ALL_MASKED=all_masked, DOT_PRECISION=precision,
-        cnt_ptr=counters, FOLD=counters is not None, SUB_M=sub_m, BLOCK_D=block_d, UNROLL=unroll,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
-    if num_splits > 1 and counters is None:  # (one split: every row was final in the main kernel)
+    if num_splits > 1:  # (with one split every row was final in the main kernel)
+        sub_m, block_d = min(block_m, COMBINE_SUB_M), min(head_dim, COMBINE_BLOCK_D)
         _combine_splits_kernel[(grid[0], n_kv * (block_m // sub_m), head_dim // block_d)](
             out, part_o, part_lse, query_start_loc, seq_lens,
             num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
             PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed, SPLIT_TILES=split_tiles,
-            SUB_M=sub_m, BLOCK_D=block_d, UNROLL=unroll, num_warps=4, **pdl,
+            SUB_M=sub_m, BLOCK_D=block_d, UNROLL=COMBINE_UNROLL if COMBINE_UNROLLED else 1, num_warps=4, **pdl,
         )
     return out
 

@@ -39,26 +39,6 @@ ONE_WAVE_DECODE_SPLITS = True
 ONE_WAVE_COUNT_SPLITS = False
 
 
-# The combine's slice of a tile: packed rows x head dims per program.
-# Whole tiles (up to 128 x 256 fp32) spilled: the Qwen3.5-27B shape's combine took 327 us a
-# launch at c = 1 on the H200 (run 30), 22% of the step.
-COMBINE_SUB_M = 32
-COMBINE_BLOCK_D = 64
-# The combine visits the splits COMBINE_UNROLL at a time, their loads in flight together
-# (False: one at a time, a memory round trip per split, as before run 50, whose profile had the
-# combine at 10.6 us a launch against the attention's 8.8 at c = 1). Off until a device run
-# times it (bench_step --ab; no device was lent after it was built): compiled for sm_90 on the
-# CPU it takes 128 registers (119 one split at a time) and spills nothing.
-COMBINE_UNROLLED = False
-COMBINE_UNROLL = 8
-# The combine folded into the attention launch: the last split of each (query block, KV
-# head) to finish, counted on a per-device array of self-resetting counters, combines that
-# tile's partials (no second launch). Off until a device run times it (bench_step --ab).
-COMBINE_IN_LAST_SPLIT = False
-# Ticket counters of the fold (ticket_counters.py): one per (query block, KV head) tile.
-FOLD_COUNTERS = 1 << 15
-
-
 def _least_split_tiles(block_n: int) -> int:
     """Key tiles in the smallest split either rule makes: two, and MIN_SPLIT_KEYS keys."""
     return max(2, -(-MIN_SPLIT_KEYS // block_n))
@@ -168,65 +148,6 @@ def _row_splits(seq_len, q_len, row, row_ok, max_pages, window, PAGE: tl.constex
     return first, tl.where(row_ok, tl.cdiv(tl.cdiv(row_end, BLOCK_N), SPLIT_TILES) - first, 0)
 
 
-@triton.jit
-def _combine_slice(
-    out_ptr, part_o_ptr, part_lse_ptr, q_start, q_len, seq_len, row0, kv_head, sub, d_slice, n_kv,
-    num_splits, part_rows, max_pages, window, stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    SUB_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, BYPASS_L1: tl.constexpr,
-):
-    """Combine one SUB_M-row x BLOCK_D-dim slice of a query block's partials into `out`: the
-    combine kernel's program, or a step of the last split's fold (attention.py). `BYPASS_L1`:
-    read the partials past L1 (other programs wrote them during this launch)."""
-    offs_m = sub * SUB_M + tl.arange(0, SUB_M)
-    offs_d = d_slice * BLOCK_D + tl.arange(0, BLOCK_D)
-    row = row0 + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
-    tok = (q_start + row).to(tl.int64)
-    pidx0 = tok * (n_kv * GROUP) + head  # the block's first partial of each packed row
-    split_stride = part_rows.to(tl.int64) * (n_kv * GROUP)
-    if SPLIT_TILES > 0:
-        first, row_splits = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
-                                        PAGE, BLOCK_N, SPLIT_TILES, CAUSAL, WINDOWED)
-        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
-        n_loop = tl.max(row_splits, 0)
-        if WINDOWED:  # the row's first partial, counted from the block's first split (its first row's)
-            pidx0 += (first - _window_lo(seq_len - q_len + row0, window) // (BLOCK_N * SPLIT_TILES)) * split_stride
-    else:
-        row_splits = tl.where(row_ok, num_splits, 0)
-        n_loop = num_splits
-    cache: tl.constexpr = ".cg" if BYPASS_L1 else ""
-
-    lse_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n_loop, UNROLL):
-        for j in tl.static_range(UNROLL):
-            lse = tl.load(part_lse_ptr + (s0 + j) * split_stride + pidx0, mask=s0 + j < row_splits,
-                          other=float("-inf"), cache_modifier=cache)
-            lse_max = tl.maximum(lse_max, lse)
-    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros([SUB_M], dtype=tl.float32)
-    acc = tl.zeros([SUB_M, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, n_loop, UNROLL):
-        for j in tl.static_range(UNROLL):
-            use = s0 + j < row_splits
-            pidx = (s0 + j) * split_stride + pidx0
-            lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"), cache_modifier=cache)
-            w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
-            o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0,
-                        cache_modifier=cache)
-            # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
-            total = tl.where(use, total + w, total)
-            acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
-    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
-    )
-
-
 @triton.jit(do_not_specialize=["num_q_blocks", "num_splits", "part_rows", "max_pages", "window"])
 def _combine_splits_kernel(
     out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr,
@@ -264,8 +185,48 @@ def _combine_splits_kernel(
     # Nothing to do past the request's rows or the tile's packed rows.
     if (row0 + (sub * SUB_M) // GROUP >= q_len) | (sub * SUB_M >= BLOCK_Q * GROUP):
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    _combine_slice(out_ptr, part_o_ptr, part_lse_ptr, q_start, q_len, seq_len, row0, kv_head, sub,
-                   tl.program_id(2), n_kv, num_splits, part_rows, max_pages, window,
-                   stride_ot, stride_oh, stride_od, GROUP, BLOCK_Q, BLOCK_N, HEAD_DIM, PAGE, CAUSAL,
-                   WINDOWED, SPLIT_TILES, SUB_M, BLOCK_D, UNROLL, False)
+    offs_m = sub * SUB_M + tl.arange(0, SUB_M)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row = row0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (row < q_len)  # the rows the main kernel wrote
+    tok = (q_start + row).to(tl.int64)
+    pidx0 = tok * (n_kv * GROUP) + head  # the block's first partial of each packed row
+    split_stride = part_rows.to(tl.int64) * (n_kv * GROUP)
+    if SPLIT_TILES > 0:
+        seq_len = tl.load(seq_lens_ptr + req)
+        first, row_splits = _row_splits(seq_len, q_len, row, row_ok, max_pages, window,
+                                        PAGE, BLOCK_N, SPLIT_TILES, CAUSAL, WINDOWED)
+        row_splits = tl.where(row_splits > 1, row_splits, 0)  # one split: the main kernel wrote it
+        n_loop = tl.max(row_splits, 0)
+        if WINDOWED:  # the row's first partial, counted from the block's first split (its first row's)
+            pidx0 += (first - _window_lo(seq_len - q_len + row0, window) // (BLOCK_N * SPLIT_TILES)) * split_stride
+    else:
+        row_splits = tl.where(row_ok, num_splits, 0)
+        n_loop = num_splits
+
+    lse_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_loop, UNROLL):
+        for j in tl.static_range(UNROLL):
+            lse = tl.load(part_lse_ptr + (s0 + j) * split_stride + pidx0, mask=s0 + j < row_splits,
+                          other=float("-inf"))
+            lse_max = tl.maximum(lse_max, lse)
+    lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros([SUB_M], dtype=tl.float32)
+    acc = tl.zeros([SUB_M, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_loop, UNROLL):
+        for j in tl.static_range(UNROLL):
+            use = s0 + j < row_splits
+            pidx = (s0 + j) * split_stride + pidx0
+            lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"))
+            w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
+            o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0)
+            # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
+            total = tl.where(use, total + w, total)
+            acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
+    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty), mask=(row_splits > 0)[:, None],
+    )

@@ -35,8 +35,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import ticket_counters
-
 __all__ = ["SkinnyConfig", "skinny_matmul", "bucket_rows", "MAX_ROWS"]
 
 MAX_ROWS = 64  # the kernel's M: one tile of rows (BLOCK_M >= M)
@@ -155,8 +153,20 @@ def _reduce_kernel(
     _finish(acc, b_ptr, out_ptr + row * stride_om + offs * stride_on, offs, ok, ok, HAS_BIAS)
 
 
-# Ticket counters of the folded reduce (ticket_counters.py): one per output tile of a call.
+# Ticket counters of the folded reduce: one per output tile of a call, zero between launches
+# (each tile's last split zeroes its own). A call with more tiles, or a first fold during a
+# graph capture (the buffer is allocated outside captures), launches the reduce instead.
 _FOLD_COUNTERS = 1 << 14
+_fold_counter_buffers: dict[torch.device, Tensor] = {}
+
+
+def _fold_counters(device: torch.device, needed: int) -> Tensor | None:
+    buf = _fold_counter_buffers.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _fold_counter_buffers[device] = torch.zeros(_FOLD_COUNTERS, dtype=torch.int32, device=device)
+    return buf if needed <= buf.numel() else None
 
 
 def bucket_rows(m: int) -> int:
@@ -195,9 +205,7 @@ def skinny_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, cfg: Sk
     part = torch.empty((cfg.split_k, block_m, n), dtype=torch.float32, device=x.device) if split else out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     tiles = triton.cdiv(n, cfg.block_n)
-    counters = None
-    if split and cfg.fold_reduce:
-        counters = ticket_counters.counters("skinny_gemm", x.device, tiles, _FOLD_COUNTERS)
+    counters = _fold_counters(x.device, tiles) if split and cfg.fold_reduce else None
     _skinny_kernel[(tiles, cfg.split_k)](
         x, weight, bias if bias is not None else weight, out, part, out if counters is None else counters,
         m, n, k, k_per_split,
