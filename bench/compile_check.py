@@ -61,7 +61,7 @@ def record(pytest_args: list[str], out_path: str) -> int:
         options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
         values = dict(zip(self.arg_names, args))
         values.update({k: v for k, v in kwargs.items() if k in params})
-        signature, constexprs = {}, {}
+        signature, constexprs, ones, aligned = {}, {}, [], []
         for name, p in params.items():
             v = values.get(name, p.default)
             if "constexpr" in str(p.annotation):
@@ -72,8 +72,12 @@ def record(pytest_args: list[str], out_path: str) -> int:
                 signature[name] = t if t is not None else "constexpr"
                 if t is None:
                     constexprs[name] = None if v is None else str(v)
+                elif t in ("i32", "i64") and v == 1:
+                    ones.append(name)
+                elif t.startswith("*") and v.data_ptr() % 16 == 0 or t in ("i32", "i64") and v % 16 == 0:
+                    aligned.append(name)
         entry = {"module": fn.__module__, "name": fn.__name__, "signature": signature,
-                 "constexprs": constexprs, "options": options}
+                 "constexprs": constexprs, "options": options, "ones": ones, "aligned": aligned}
         seen.setdefault(json.dumps(entry, sort_keys=True), entry)
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -118,8 +122,18 @@ def compile_all(path: str, regs: bool = False) -> int:
         consts = {k: v for k, v in e["constexprs"].items()}
         what = f"{e['module'].rsplit('.', 1)[-1]}.{e['name']} " + ",".join(
             f"{k}={v}" for k, v in consts.items() if v is not None and not isinstance(v, str))[:150]
+        # A GPU launch's specialisations (they decide vector widths and pipelining): integers
+        # equal to 1 become constants, pointers and integers divisible by 16 are marked so;
+        # neither for the arguments the kernel's do_not_specialize names.
+        names = list(e["signature"])
+        dynamic = {names[d] if isinstance(d, int) else d for d in getattr(fn, "do_not_specialize", ())}
+        signature = dict(e["signature"])
+        for n in e.get("ones", []):
+            if n not in dynamic:
+                consts[n], signature[n] = 1, "constexpr"
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in e.get("aligned", []) if n not in dynamic}
         try:
-            kernel = triton.compile(ASTSource(fn, e["signature"], consts), target=target, options=e["options"])
+            kernel = triton.compile(ASTSource(fn, signature, consts, attrs), target=target, options=e["options"])
             note = f"  [{_ptxas_report(kernel.asm['ptx'])}, {e['options']}]" if regs else ""
             print(f"OK    {what}{note}", flush=True)
         except Exception as exc:  # noqa: BLE001  (report every variant)

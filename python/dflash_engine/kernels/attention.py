@@ -353,7 +353,7 @@ COMBINE_BLOCK_D = 64
 # (False: one at a time, a memory round trip per split, as before run 50, whose profile had the
 # combine at 10.6 us a launch against the attention's 8.8 at c = 1). Off until a device run
 # times it (bench_step --ab; no device was lent after it was built). Compiled for sm_90 by the
-# device's Triton (3.6): 128 registers, 8 B spilled (one at a time: 119, none). (Folding the
+# device's Triton (3.6): 80 registers, no spills (one at a time: 63). (Folding the
 # combine into the last split instead was measured slower in run 42 and again rebuilt and
 # dropped unmeasured in run 50's session: one program combining a tile costs more than the
 # launch it saves.)
