@@ -15,6 +15,7 @@ a smoke sweep on tiny shapes under the interpreter (numbers meaningless).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -40,18 +41,21 @@ SHAPES_SMOKE = [("tiny_a", 96, 64, 2), ("tiny_b", 64, 160, 2)]
 
 
 def configs(gpu: bool):
-    """The engine's tuning candidates first (ops/gemm_tuning.py), then a wider sweep."""
+    """The engine's tuning candidates first (ops/gemm_tuning.py), then the same at 8 warps
+    (at M = 64 every 4-warp candidate spills registers: docs/perf.md "Run 50"), then a wider
+    sweep at 4 and 8 warps."""
     from dflash_engine.kernels.skinny_gemm import SkinnyConfig
     from dflash_engine.ops.gemm_tuning import CANDIDATES
 
     if not gpu:
         return [SkinnyConfig(block_n=32, block_k=32, split_k=s, swap_ab=t, fold_reduce=f)
                 for s, t, f in itertools.product((1, 2), (True, False), (False, True)) if s > 1 or not f]
-    out = list(CANDIDATES)
-    for bn, bk, split in itertools.product((64, 128), (128, 256), (1, 2, 4, 8)):
+    out = list(CANDIDATES) + [dataclasses.replace(c, num_warps=8) for c in CANDIDATES]
+    for bn, bk, split, warps in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (4, 8)):
         stages = 4 if bn * bk <= 128 * 128 else 3  # (a 128 x 256 tile's 4 stages overflow shared memory)
         for fold in ((False, True) if split > 1 else (False,)):
-            cfg = SkinnyConfig(block_n=bn, block_k=bk, split_k=split, num_stages=stages, fold_reduce=fold)
+            cfg = SkinnyConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages,
+                               fold_reduce=fold)
             if cfg not in out:
                 out.append(cfg)
     return out
