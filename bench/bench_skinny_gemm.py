@@ -50,7 +50,8 @@ def configs(gpu: bool):
     if not gpu:
         return [SkinnyConfig(block_n=32, block_k=32, split_k=s, swap_ab=t, fold_reduce=f)
                 for s, t, f in itertools.product((1, 2), (True, False), (False, True)) if s > 1 or not f]
-    out = list(CANDIDATES) + [dataclasses.replace(c, num_warps=8) for c in CANDIDATES]
+    out = list(CANDIDATES)
+    out += [w8 for c in CANDIDATES if (w8 := dataclasses.replace(c, num_warps=8)) not in out]
     for bn, bk, split, warps in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (4, 8)):
         stages = 4 if bn * bk <= 128 * 128 else 3  # (a 128 x 256 tile's 4 stages overflow shared memory)
         for fold in ((False, True) if split > 1 else (False,)):

@@ -53,6 +53,10 @@ CANDIDATES: tuple[SkinnyConfig, ...] = (
     SkinnyConfig(block_n=128, block_k=128, split_k=1, num_stages=4),
     SkinnyConfig(block_n=128, block_k=128, split_k=2, num_stages=4, fold_reduce=True),
     SkinnyConfig(block_n=64, block_k=256, split_k=2, num_stages=3, fold_reduce=True),
+    # At 64 rows every 4-warp tile above spills registers (bench/kernel_regs.py with the
+    # device's Triton 3.6: 1.4-9 KB); these two do not (197 and 250 registers). Not yet timed.
+    SkinnyConfig(block_n=64, block_k=128, split_k=2, num_warps=8, num_stages=4, fold_reduce=True),
+    SkinnyConfig(block_n=128, block_k=128, split_k=2, num_warps=8, num_stages=4, fold_reduce=True),
 )
 MARGIN = 0.97  # the skinny kernel must take <= 97% of cuBLAS's time (timing noise is ~1-2%)
 MAX_WEIGHTS = 64  # weights of one key timed in a row (a step's layers: enough to leave L2)
