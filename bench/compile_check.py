@@ -109,31 +109,39 @@ def _ptxas_report(ptx: str) -> str:
     return f"{regs.group(1)} regs, {sum(spills)} B spilled"
 
 
-def compile_all(path: str, regs: bool = False) -> int:
+def compile_sm90(fn, signature: dict, constexprs: dict, options: dict, ones=(), aligned=()):
+    """`fn` (a JITFunction) compiled for sm_90 with a GPU launch's specialisations, which decide
+    vector widths and pipelining: the integer arguments in `ones` (equal to 1) become constants,
+    the pointer and integer arguments in `aligned` are marked 16-divisible; neither for the
+    arguments the kernel's do_not_specialize names. -> Triton's compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = list(signature)
+    dynamic = {names[d] if isinstance(d, int) else d for d in getattr(fn, "do_not_specialize", ())}
+    signature, constexprs = dict(signature), dict(constexprs)
+    for n in ones:
+        if n not in dynamic:
+            constexprs[n], signature[n] = 1, "constexpr"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned
+             if n not in dynamic and signature[n] != "constexpr"}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def compile_all(path: str, regs: bool = False) -> int:
+    import triton
+
     entries = json.load(open(path))
-    target = GPUTarget("cuda", 90, 32)
     failed = 0
     for e in entries:
         fn = getattr(importlib.import_module(e["module"]), e["name"])
-        consts = {k: v for k, v in e["constexprs"].items()}
+        consts = e["constexprs"]
         what = f"{e['module'].rsplit('.', 1)[-1]}.{e['name']} " + ",".join(
             f"{k}={v}" for k, v in consts.items() if v is not None and not isinstance(v, str))[:150]
-        # A GPU launch's specialisations (they decide vector widths and pipelining): integers
-        # equal to 1 become constants, pointers and integers divisible by 16 are marked so;
-        # neither for the arguments the kernel's do_not_specialize names.
-        names = list(e["signature"])
-        dynamic = {names[d] if isinstance(d, int) else d for d in getattr(fn, "do_not_specialize", ())}
-        signature = dict(e["signature"])
-        for n in e.get("ones", []):
-            if n not in dynamic:
-                consts[n], signature[n] = 1, "constexpr"
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in e.get("aligned", []) if n not in dynamic}
         try:
-            kernel = triton.compile(ASTSource(fn, signature, consts, attrs), target=target, options=e["options"])
+            kernel = compile_sm90(fn, e["signature"], consts, e["options"], e.get("ones", []), e.get("aligned", []))
             note = f"  [{_ptxas_report(kernel.asm['ptx'])}, {e['options']}]" if regs else ""
             print(f"OK    {what}{note}", flush=True)
         except Exception as exc:  # noqa: BLE001  (report every variant)

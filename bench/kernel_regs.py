@@ -23,9 +23,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), d) for d in (".", "../python")]
 
 import triton  # noqa: E402
-from compile_check import _ptxas_report  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from compile_check import _ptxas_report, compile_sm90  # noqa: E402
 
 from dflash_engine.kernels import attention, attention_splits, skinny_gemm  # noqa: E402
 from dflash_engine.ops.gemm_tuning import CANDIDATES  # noqa: E402
@@ -44,12 +42,8 @@ def report(kernel, consts: dict, fp32: set, i32: set, warps: int, stages: int) -
         return "fp32" if p in fp32 else "i32"
 
     sig = {p: ty(p) for p in params}
-    dynamic = {params[d] if isinstance(d, int) else d for d in getattr(kernel, "do_not_specialize", ())} | {"M"}
-    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in params
-             if p not in consts and p not in dynamic and sig[p] != "fp32"}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(n),): v for n, v in consts.items()},
-                    attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    aligned = [p for p in params if sig[p] not in ("constexpr", "fp32")]  # (as a launch with aligned sizes)
+    k = compile_sm90(kernel, sig, consts, dict(num_warps=warps, num_stages=stages), aligned=aligned)
     ptx = k.asm["ptx"]
     mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "-"
     return (f"{_ptxas_report(ptx)}, smem {k.metadata.shared // 1024} KB, async copies "
