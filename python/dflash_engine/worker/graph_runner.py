@@ -134,10 +134,11 @@ class GraphRunner:
         nr, ns = bs + pr, bs * self.b + pr  # requests, sample slots
         self.max_sample = ns
         self.fields = [("input_ids", n), ("positions", n), ("slots", n), ("qsl", nr + 1), ("seq_lens", nr),
-                       ("pages", nr * self.width), ("top_k", ns), ("seed", ns), ("greedy", ns),
+                       ("top_k", ns), ("seed", ns), ("greedy", ns),
                        ("srows", ns if pr else 0), ("vrows", bs * (self.b - 1) if pr else 0),
                        ("d_ids", nd), ("d_positions", nd), ("d_slots", nd), ("d_seq_lens", bs if self.d else 0),
-                       ("s_read", bs if hybrid else 0), ("s_write", n if hybrid else 0)]
+                       ("s_read", bs if hybrid else 0), ("s_write", n if hybrid else 0),
+                       ("pages", nr * self.width)]  # last: a step copies only its bucket's rows of it
         self.offsets, at = {}, 0
         for name, size in self.fields:
             self.offsets[name] = (at, size)
@@ -428,7 +429,10 @@ class GraphRunner:
         self.steps["mixed" if p else "decode"] += 1
         # the step's first launch follows (the two input copies); a mixed step's time is not a cell's
         self.timer.begin(None if p else (bs, self.b - 1))
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        # (the buffer up to the bucket's page-table rows: the tables of the largest bucket are
+        # most of it, ~290 KB for the default SmolLM2 engine, read by no smaller bucket)
+        end = self.offsets["pages"][0] + self._shape(bs, p)[1] * self.width
+        self.dev_i64[:end].copy_(self.host_i64[:end], non_blocking=True)
         self.dev_f32.copy_(self.host_f32, non_blocking=True)
         if self.enforce_eager:
             with torch.inference_mode():
