@@ -144,6 +144,41 @@ def test_staged_page_tables_are_each_plans_own_and_the_null_page_elsewhere():
     assert (full == 0).all() and g._pages_used == (0, 0)
 
 
+def test_a_steps_device_inputs_are_its_own_plans_after_any_sequence_of_buckets():
+    """`run` copies the staged buffer to the device only up to its bucket's page-table rows (the
+    tables are last in it): after steps of growing and shrinking buckets, decode and mixed, what
+    the step reads on the device (its inputs' ids, positions and page tables) is this plan's,
+    never a larger bucket's leftovers."""
+    b, d = 3, 4
+    g = runner(b, d)
+    g.timer = SimpleNamespace(begin=lambda cell: None, end=lambda: None)
+    seen = {}
+
+    def step(bs, all_greedy, p=0):  # the device step, reading its inputs as the graph does
+        x = g._inputs(bs, p)
+        seen.update(ids=x.input_ids.clone(), pages=x.meta.page_tables.clone(), nr=x.meta.seq_lens.numel())
+    g.step = step
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        rd = int(rng.integers(1, 9))
+        chunks = [(0, int(rng.integers(1, 6)), True)] * int(rng.integers(0, 3)) if rd <= 4 else []
+        p = make(b, [10] * rd, chunks, d)
+        width = int(rng.integers(1, g.width + 1))
+        p.page_tables = rng.integers(1, 1000, size=(len(p), width)).astype(np.int32)
+        p.input_ids = rng.integers(1, 1000, size=p.num_rows).astype(np.int64)
+        n = len(p)
+        st = batch(p, top_k=np.ones(n), seed=np.zeros(n), greedy=np.ones(n, bool), temperature=np.ones(n),
+                   top_p=np.ones(n), min_p=np.zeros(n))
+        pb = (g.mixed_bucket(p) or 0) if chunks else 0
+        if chunks and not pb:
+            continue
+        g.run(p, st, True, pb)
+        want = np.zeros((seen["nr"], g.width), np.int32)  # the real requests in plan order, then padding
+        want[:n, :width] = p.page_tables
+        assert (seen["pages"].numpy() == want).all()
+        assert (seen["ids"][:rd * b].numpy() == p.input_ids[:rd * b]).all()
+
+
 def test_staged_sampling_fields_are_always_this_steps_even_when_their_writes_are_skipped():
     """Steady decoding hands `_stage` the same per-request parameters step after step and they
     are then not rewritten: after any sequence of decode and mixed plans, bucket changes, reused
