@@ -63,13 +63,12 @@ def main() -> int:
                       DOT_PRECISION="tf32")
         print(f"attention {what:22s} {bm:3d} x {bn} tile: "
               + report(attention._paged_attention_kernel, consts, att_fp, att_i32, warps, stages))
-    for unroll in (1, attention.COMBINE_UNROLL):
-        consts = dict(stride_od=1, GROUP=GROUP, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=32, HEAD_DIM=HEAD_DIM, PAGE=PAGE,
-                      CAUSAL=True, WINDOWED=False, SPLIT_TILES=4, SUB_M=attention.COMBINE_SUB_M,
-                      BLOCK_D=attention.COMBINE_BLOCK_D, UNROLL=unroll)
-        print(f"split combine, unroll {unroll}:{'':14s} "
-              + report(attention_splits._combine_splits_kernel, consts, {"part_o_ptr", "part_lse_ptr"},
-                       {"qsl_ptr", "seq_lens_ptr"}, 4, 3))
+    consts = dict(stride_od=1, GROUP=GROUP, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=32, HEAD_DIM=HEAD_DIM, PAGE=PAGE,
+                  CAUSAL=True, WINDOWED=False, SPLIT_TILES=4, SUB_M=attention.COMBINE_SUB_M,
+                  BLOCK_D=attention.COMBINE_BLOCK_D)
+    print(f"split combine:{'':24s} "
+          + report(attention_splits._combine_splits_kernel, consts, {"part_o_ptr", "part_lse_ptr"},
+                   {"qsl_ptr", "seq_lens_ptr"}, 4, 3))
     for rows in (16, 64):
         for cfg in CANDIDATES:
             split = cfg.split_k > 1

@@ -162,27 +162,6 @@ def test_combine_slices_a_wide_tile_qwen3_5_27b_geometry():
                   page_size=16)
 
 
-@pytest.mark.parametrize("causal,split_keys,num_splits", [(True, 64, None), (False, None, 11)])
-def test_combine_unrolled_gives_the_bits_of_one_split_at_a_time(monkeypatch, causal, split_keys, num_splits):
-    """The combine visits the splits COMBINE_UNROLL at a time (their loads in flight together):
-    the same sum in the same order as one split at a time, so the same bits, for rows whose
-    own split counts differ (fixed-size splits: 3 to 21 of them, more than one unrolled run and
-    not a multiple of it) and for a split count (11) across a non-causal call."""
-    from dflash_engine.kernels import attention as kattn
-
-    q, k_cache, v_cache, meta = make_case([16, 1, 5], [1300, 190, 700], n_kv=2, group=2, head_dim=32,
-                                          page_size=16, dtype=torch.float32, causal=causal, seed=5)
-    outs = []
-    for unrolled in (True, False):
-        monkeypatch.setattr(kattn, "COMBINE_UNROLLED", unrolled)
-        outs.append(paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, table_of(meta),
-                                    0.17, causal, 16, num_splits=num_splits, split_keys=split_keys))
-    assert kattn.COMBINE_UNROLL > 1
-    n_rows = meta.query_start_loc_cpu[-1]
-    assert torch.equal(outs[0][:n_rows], outs[1][:n_rows])
-    assert rel_err(outs[0][:n_rows], ref_paged_attention(q[:n_rows], k_cache, v_cache, meta, 0.17)) < 1e-4
-
-
 def test_paged_attention_strided_q_and_default_out():
     q, k_cache, v_cache, meta = make_case([3, 6], [10, 40], n_kv=2, group=2, head_dim=32,
                                           page_size=8, dtype=torch.float32, causal=True)

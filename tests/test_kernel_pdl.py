@@ -39,7 +39,7 @@ _COMPILE = textwrap.dedent('''
                             {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qsl_ptr": "*i32",
                              "seq_lens_ptr": "*i32", "bt_ptr": "*i32"}, {"qk_scale"}),
         "combine_splits": (attention_splits._combine_splits_kernel,
-                           dict(attn, SPLIT_TILES=4, SUB_M=16, BLOCK_D=64, UNROLL=8),
+                           dict(attn, SPLIT_TILES=4, SUB_M=16, BLOCK_D=64),
                            {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qsl_ptr": "*i32",
                             "seq_lens_ptr": "*i32"}, set()),
     }

@@ -349,16 +349,12 @@ _MAX_BLOCK_M = 128
 # launch at c = 1 on the H200 (run 30), 22% of the step.
 COMBINE_SUB_M = 32
 COMBINE_BLOCK_D = 64
-# The combine visits the splits COMBINE_UNROLL at a time, their loads in flight together
-# (False: one at a time, a memory round trip per split, as before run 50, whose profile had the
-# combine at 10.6 us a launch against the attention's 8.8 at c = 1). Off until a device run
-# times it (bench_step --ab; no device was lent after it was built). Compiled for sm_90 by the
-# device's Triton (3.6): 80 registers, no spills (one at a time: 63). (Folding the
-# combine into the last split instead was measured slower in run 42 and again rebuilt and
-# dropped unmeasured in run 50's session: one program combining a tile costs more than the
-# launch it saves.)
-COMBINE_UNROLLED = False
-COMBINE_UNROLL = 8
+# (Two cheaper combines were built and measured: folded into the last split, 4.8% slower at
+# c = 1 in run 42 (one program combining a tile costs more than the launch it saves); the
+# splits' loads 8 at a time instead of one round trip each, no faster in run 51 (step 0.999-
+# 1.005x, kernel alone equal). Under PDL a profile's combine time includes its wait for the
+# attention kernel: bench_attention times the pair at 12.4 us a layer at c = 1 (H100), not
+# the profile's 8.8 + 10.6.)
 # The default mode's smallest tile, in query rows: decode (1 row) and verify blocks (up to 16
 # rows: K <= 15) share one geometry, so speculation does not change a decode row's bits.
 DECODE_TILE_ROWS = 16
@@ -530,7 +526,7 @@ def paged_attention(
             num_q_blocks, num_splits, num_tokens, max_pages, window or 0, *out.stride(),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
             PAGE=page_size, CAUSAL=bool(causal), WINDOWED=windowed, SPLIT_TILES=split_tiles,
-            SUB_M=sub_m, BLOCK_D=block_d, UNROLL=COMBINE_UNROLL if COMBINE_UNROLLED else 1, num_warps=4, **pdl,
+            SUB_M=sub_m, BLOCK_D=block_d, num_warps=4, **pdl,
         )
     return out
 

@@ -155,7 +155,7 @@ def _combine_splits_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-    SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = 1,
+    SPLIT_TILES: tl.constexpr, SUB_M: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """out = sum_s w_s * o_s with w_s = 2^(lse_s - max lse) / sum of those (per packed row).
@@ -167,11 +167,7 @@ def _combine_splits_kernel(
     Grid (request x query block, KV head x SUB_M-row slice of the tile, BLOCK_D-wide slice of
     head_dim): each output element's sum over splits runs in the same order whatever the
     slicing, so the slices change no bit; they keep the fp32 accumulator small (a whole
-    128 x 256 tile spills) and give a lone request's few (KV head) tiles many programs.
-
-    The splits are visited UNROLL at a time (an unrolled run inside the loop): the loads of
-    a run do not depend on each other, so they are all in flight at once instead of one
-    memory round trip per split. The sum's order is the same for every UNROLL."""
+    128 x 256 tile spills) and give a lone request's few (KV head) tiles many programs."""
     wait_then_signal(PDL)  # (kernels/pdl.py: before any read)
     pid_rq = tl.program_id(0)
     n_sub: tl.constexpr = BLOCK_M // SUB_M
@@ -206,24 +202,21 @@ def _combine_splits_kernel(
         n_loop = num_splits
 
     lse_max = tl.full([SUB_M], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n_loop, UNROLL):
-        for j in tl.static_range(UNROLL):
-            lse = tl.load(part_lse_ptr + (s0 + j) * split_stride + pidx0, mask=s0 + j < row_splits,
-                          other=float("-inf"))
-            lse_max = tl.maximum(lse_max, lse)
+    for s in range(n_loop):
+        lse = tl.load(part_lse_ptr + s * split_stride + pidx0, mask=s < row_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
     lse_base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = tl.zeros([SUB_M], dtype=tl.float32)
     acc = tl.zeros([SUB_M, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, n_loop, UNROLL):
-        for j in tl.static_range(UNROLL):
-            use = s0 + j < row_splits
-            pidx = (s0 + j) * split_stride + pidx0
-            lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"))
-            w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
-            o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0)
-            # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
-            total = tl.where(use, total + w, total)
-            acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
+    for s in range(n_loop):
+        use = s < row_splits
+        pidx = s * split_stride + pidx0
+        lse = tl.load(part_lse_ptr + pidx, mask=use, other=float("-inf"))
+        w = tl.math.exp2(lse - lse_base)  # 0 for empty splits (lse = -inf)
+        o = tl.load(part_o_ptr + pidx[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None], other=0.0)
+        # Splits past a row's own are skipped, not added as zeros: no -0.0 + 0.0 sign flips.
+        total = tl.where(use, total + w, total)
+        acc = tl.where(use[:, None], acc + w[:, None] * o, acc)
     o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
 
     tl.store(
