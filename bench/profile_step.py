@@ -2,9 +2,16 @@
 kernels and shapes the CUDA graph replays), summed per kernel name.
 
     python bench/profile_step.py --target DIR --draft DIR [--c 1] [--context 1024] [--steps 5] [--graphs [--replay]]
+                                 [--pdl auto|on|off]
 
 Also prints the wall time of a step (host included); `--graphs` times the CUDA-graph decode
 step instead of eager (the kernel table then shows what the profiler sees of graph replays).
+
+In graphs captured with programmatic dependent launch (kernels/pdl.py: by default the
+smallest buckets) a kernel of ours starts before the one ahead of it has finished and waits
+inside for it, so its profiled time includes that wait and the table's times overlap (run 50
+read a split combine's wait on the attention kernel as 10.6 us of combine; run 51). `--pdl
+off` captures without it: kernel times that add up, of a step slightly slower than served.
 """
 from __future__ import annotations
 
@@ -34,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", action="store_true",
                     help="with --graphs: profile the bare graph replay of the batch's bucket (bench_step's step_ms), "
                          "not engine steps (host work, overlap and all)")
+    ap.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
+                    help="programmatic dependent launch in the captured graphs: the engine's rule (auto), or "
+                         "forced; off gives kernel times without PDL waits folded in")
     args = ap.parse_args(argv)
+    from dflash_engine.kernels import pdl
+    pdl.PDL = {"auto": None, "on": True, "off": False}[args.pdl]
     spec = {"method": "dflash", "model": args.draft, "num_speculative_tokens": 15}
     for c in [int(x) for x in args.c.split(",")]:
         engine = LLMEngine(EngineConfig(model=args.target, speculative_config=spec, max_num_seqs=c,
@@ -89,9 +101,16 @@ def main(argv: list[str] | None = None) -> int:
                 counts[name] += e.count
         total = sum(totals.values())
         mode = "graphs" if args.graphs else "eager"
+        dg_bucket = None
+        if args.graphs:
+            runner = engine.runner.graphs.get(spec["num_speculative_tokens"] + 1)
+            dg_bucket = runner.bucket(c) if runner is not None else None
         what = f"graph replays of bucket {dg.bucket(c)} ({replay_ms:.2f} ms each unprofiled)" if replay else mode
         print(f"## c={c}: GPU kernel time per step {total / args.steps / 1e3:.2f} ms, engine step wall {wall:.2f} ms "
               f"(profiled: {what}, {args.steps} steps, after {prefill_steps} prefill steps)")
+        if args.graphs and any(key[0] == dg_bucket for key in engine_pdl_graphs(engine)):
+            print("(captured with PDL: a kernel's time includes its wait for the one before it; --pdl off for "
+                  "times that add up)")
         print("| kernel | ms/step | launches/step | share |\n|---|---:|---:|---:|")
         for name, t in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"| `{name}` | {t / args.steps / 1e3:.3f} | {counts[name] / args.steps:.0f} | {t / total:.1%} |")
@@ -99,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         del engine
         torch.cuda.empty_cache()
     return 0
+
+
+def engine_pdl_graphs(engine) -> set:
+    """The (bucket, P, all greedy) keys of the engine's graphs captured with PDL."""
+    return set().union(*(g.pdl_graphs for g in engine.runner.graphs.values()))
 
 
 if __name__ == "__main__":
