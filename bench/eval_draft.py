@@ -16,7 +16,7 @@ the exact mode they must; on the GPU near-tie flips are possible, and are counte
 
     python bench/eval_draft.py --draft DRAFT_DIR [--target DIR] [--sets humaneval,chat]
         [--concurrency 1,8,32] [--max-tokens 256] [--limit N] [--device auto] [--batch-invariant]
-        [--max-model-len 2048] [--draft-lengths adaptive,15,7,3]
+        [--max-model-len 2048] [--draft-lengths adaptive,15,7,3,15v8192]
         [--seats 64 --prompts-per-seat 8 --min-prompts 16 --repeat 3] [--json out.json]
 """
 from __future__ import annotations
@@ -115,6 +115,9 @@ def build(target, draft, prompts: list[str], c: int, max_tokens: int, device: st
     spec = None
     if draft:
         spec = {"method": "dflash", "model": draft}  # draft_length None: the engine's default (adaptive)
+        if draft_length is not None and "v" in str(draft_length):  # "15v8192": K = 15, draft_vocab_size 8192
+            draft_length, vocab = str(draft_length).split("v")
+            spec["draft_vocab_size"] = int(vocab)
         if draft_length not in (None, "adaptive"):
             spec["num_speculative_tokens"] = int(draft_length)
     llm = LLM(model=target, speculative_config=spec, max_num_seqs=c, device=device,
@@ -122,6 +125,8 @@ def build(target, draft, prompts: list[str], c: int, max_tokens: int, device: st
               gpu_memory_utilization=gpu_memory_utilization, cpu_weights=cpu_weights, **engine_kw)
     rc = llm.engine.runtime_config
     k = rc.num_speculative_tokens if rc.draft_len_policy != "adaptive" else f"a{rc.num_speculative_tokens}"
+    if rc.draft_vocab is not None:
+        k = f"{k}v{len(rc.draft_vocab)}"
     convs = [[{"role": "user", "content": p}] for p in prompts]
     llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     return {"llm": llm, "k": k, "c": c, "spec": bool(draft), "convs": convs, "before": llm.stats(), "rates": [],
@@ -291,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--draft-lengths", default="adaptive",
                     help="comma-separated: 'adaptive' (the engine's default policy) and/or fixed K values; one "
-                         "spec-on run each against one spec-off run")
+                         "spec-on run each against one spec-off run; KvN: K with a draft vocabulary of N "
+                         "(speculative_config draft_vocab_size, the draft's draft_vocab.json)")
     ap.add_argument("--cpu-weights", default="auto", help="the engine's cpu_weights (auto, none, bf16, int4)")
     ap.add_argument("--num-gpu-blocks", type=int, default=None,
                     help="a fixed KV pool per engine (num_gpu_blocks_override), so that an engine whose memory "

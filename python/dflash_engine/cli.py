@@ -1,4 +1,4 @@
-"""`dflash-engine {serve,generate,chat,convert,make-random-checkpoint,train-draft,bench serve}`."""
+"""`dflash-engine {serve,generate,chat,convert,make-random-checkpoint,train-draft,draft-vocab,bench serve}`."""
 
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a random-weight Qwen3 / Qwen3.5 target (and DFlash draft) in the Hugging Face format")
     sub.add_parser("train-draft", add_help=False,
                    help="train a DFlash draft for a target (data written by the target itself)")
+    sub.add_parser("draft-vocab", add_help=False,
+                   help="rank the target's tokens for a reduced draft vocabulary (speculative_config draft_vocab_size)")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_args(bsub.add_parser("serve", help="load generator against an OpenAI-compatible server"))
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from .train.cli import main as train_draft_main
 
         return train_draft_main(argv[1:])
+    if argv and argv[0] == "draft-vocab":  # dispatched early: its own flags
+        from .train.draft_vocab import main as draft_vocab_main
+
+        return draft_vocab_main(argv[1:])
     if argv and argv[0] == "make-random-checkpoint":  # dispatched early: needs no server packages
         from .random_hybrid import main as random_checkpoint_main  # Qwen3 and Qwen3.5 shapes
 

@@ -17,7 +17,7 @@ MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method",
               "synthetic_acceptance_length", "synthetic_acceptance_rates", "num_speculative_tokens_schedule",
-              "draft_length"}
+              "draft_length", "draft_vocab_size"}
 
 
 def _parse_draft_length(value: Any, k: int | None, schedule: Any) -> str | int:
@@ -97,6 +97,9 @@ class SpeculativeConfig:
     # "adaptive": each step verifies the K (0 included) that maximises expected committed
     # tokens per second (live acceptance x measured step cost); "fixed": num_speculative_tokens.
     draft_length: str = "adaptive"
+    # Proposals among the target's N most frequent tokens only (the draft's draft_vocab.json
+    # ranking; models/draft_vocab.py): a smaller logits GEMM in every draft pass, still lossless.
+    draft_vocab_size: int | None = None
 
     @property
     def synthetic(self) -> bool:
@@ -154,6 +157,9 @@ class SpeculativeConfig:
         if schedule and n is not None and max(k for _, k in schedule) > n:
             raise ValueError(f"num_speculative_tokens_schedule {schedule}: every k must be <= "
                              f"num_speculative_tokens ({n})")
+        vocab = value.get("draft_vocab_size")
+        if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+            raise ValueError(f"speculative_config.draft_vocab_size must be a positive integer, got {vocab!r}")
         draft_length = _parse_draft_length(value.get("draft_length"), n, value.get("num_speculative_tokens_schedule"))
         if isinstance(draft_length, int):
             n, draft_length = draft_length, "fixed"
@@ -163,7 +169,8 @@ class SpeculativeConfig:
             draft_length = "fixed"  # benchmark runs measure one K unless asked otherwise
         return cls(model=str(value["model"]), method=method, num_speculative_tokens=n, draft_length=draft_length,
                    rejection_sample_method=rsm, synthetic_acceptance_length=length,
-                   synthetic_acceptance_rates=rates, num_speculative_tokens_schedule=schedule)
+                   synthetic_acceptance_rates=rates, num_speculative_tokens_schedule=schedule,
+                   draft_vocab_size=vocab)
 
 
 @dataclass

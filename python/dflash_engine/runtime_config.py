@@ -23,6 +23,7 @@ from .config import EngineConfig, synthetic_rates
 from .cpu import resolve_format
 from .model_path import is_gguf_model, resolve_model_path
 from .models.config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
+from .models.draft_vocab import load as draft_vocab_ids
 from .models.loader import read_config, target_config
 from .models.parallel import rank_config, shard_problems
 
@@ -73,6 +74,7 @@ class RuntimeConfig:
     draft_rows: int  # D: rows of the draft's block (0 without a draft)
     mask_token_id: int
     tap_layers: tuple[int, ...] | None  # target layers whose outputs feed the draft
+    draft_vocab: np.ndarray | None  # the token ids a draft may propose (ascending; None: all)
     synthetic_rates: tuple[float, ...] | None  # benchmark-only synthetic acceptance
     batch_invariant: bool  # the exact mode: a row's bits never depend on its batch
     cpu_weights: str  # the fast CPU mode's packed format ("none" off the CPU / in the exact mode)
@@ -156,7 +158,7 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
     cpu_weights = resolve_format(cfg.cpu_weights, device, batch_invariant, cfg.dtype, dtype, is_gguf_model(cfg.model))
 
     spec = cfg.speculative_config
-    draft_path, dcfg, k, schedule, d, rates = None, None, 0, (), 0, None
+    draft_path, dcfg, k, schedule, d, rates, draft_vocab = None, None, 0, (), 0, None, None
     policy, candidates = "fixed", ()
     if spec is not None:
         draft_path = Path(spec.model)
@@ -181,6 +183,12 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
         elif spec.draft_length == "adaptive":
             policy = "adaptive"
             candidates = tuple(sorted({c for c in ADAPTIVE_CANDIDATES if c <= k} | {k}))
+        if spec.draft_vocab_size is not None:
+            if cfg.tensor_parallel_size > 1:
+                raise ValueError("speculative_config.draft_vocab_size is not supported with tensor_parallel_size > 1")
+            draft_vocab = draft_vocab_ids(draft_path, spec.draft_vocab_size, mcfg.vocab_size)
+            logger.info("draft vocabulary: proposals among the %d most frequent of %d tokens (%s)",
+                        len(draft_vocab), mcfg.vocab_size, draft_path / "draft_vocab.json")
         if spec.synthetic:
             rates = tuple(synthetic_rates(k, spec.synthetic_acceptance_length, spec.synthetic_acceptance_rates))
             expected = sum(float(np.prod(rates[:i])) for i in range(len(rates) + 1))
@@ -224,7 +232,7 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
         page_size=page_size, num_speculative_tokens=k, draft_len_schedule=schedule, draft_rows=d,
         draft_len_policy=policy, draft_len_candidates=candidates,
         mask_token_id=dcfg.mask_token_id if dcfg else 0,
-        tap_layers=tuple(dcfg.target_layer_ids) if dcfg else None, synthetic_rates=rates,
+        tap_layers=tuple(dcfg.target_layer_ids) if dcfg else None, draft_vocab=draft_vocab, synthetic_rates=rates,
         batch_invariant=batch_invariant, cpu_weights=cpu_weights,
         overlap=envs.overlap() if cfg.overlap is None else bool(cfg.overlap),
         enforce_eager=cfg.enforce_eager, enable_prefix_caching=prefix_caching,

@@ -190,6 +190,10 @@ class CausalLM(nn.Module):
         # Tensor parallelism: this rank's TPShard (models/parallel.py) when the embedding and
         # lm_head hold its slice of the vocabulary; None: the whole vocabulary (TP = 1).
         self.tp = None
+        # A reduced draft vocabulary (models/draft_vocab.py): the token ids a draft may propose
+        # (ascending) and their rows of the logits weight; None: the whole vocabulary.
+        self.draft_vocab: Tensor | None = None
+        self.draft_head: Tensor | None = None
 
     @property
     def logits_weight(self) -> Tensor:
@@ -224,9 +228,24 @@ class CausalLM(nn.Module):
         logits = dispatch.logits(hidden, self.logits_weight, self.batch_invariant)
         return logits if self.tp is None else self.tp.gather_columns(logits)  # every rank: [N, V]
 
+    def set_draft_vocab(self, ids: Tensor | None) -> None:
+        """Proposals among these token ids only (ascending; None: the whole vocabulary): their
+        rows of the logits weight are copied once (N x H)."""
+        if ids is None:
+            self.draft_vocab = self.draft_head = None
+            return
+        if self.tp is not None:
+            raise ValueError("speculative_config.draft_vocab_size is not supported with tensor_parallel_size > 1 "
+                             "(the logits weight is split over the ranks by vocabulary rows)")
+        weight = self.logits_weight
+        self.draft_vocab = ids.to(device=weight.device, dtype=torch.long)
+        self.draft_head = weight.detach().index_select(0, self.draft_vocab).contiguous()
+
     def propose(self, hidden: Tensor) -> Tensor:
         """A draft's proposed tokens from its final hidden rows: the argmax of their logits
-        (the first index of a row's maximum)."""
+        (the first index of a row's maximum), over the draft vocabulary when one is set."""
+        if self.draft_head is not None:
+            return self.draft_vocab[dispatch.logits(hidden, self.draft_head, self.batch_invariant).argmax(-1)]
         if self.backend is not None:
             return self.backend.propose(hidden)
         return self.compute_logits(hidden).argmax(-1)

@@ -67,6 +67,8 @@ class ModelRunner:
         self.draft_config = None if rc.draft_config is None else rank_config(rc.draft_config, size)
         # ------------------------------------------------------------------------------------
         target = load_target(rc.model_path, rc.dtype, rc.device, batch_invariant=rc.batch_invariant, tp=shard)
+        if rc.draft_vocab is not None:  # (before a CPU backend repacks the logits weight)
+            target.set_draft_vocab(torch.from_numpy(rc.draft_vocab))
         draft = None
         if rc.draft_path is not None:
             draft = load_draft(rc.draft_path, rc.model_config, rc.dtype, rc.device, batch_invariant=rc.batch_invariant,

@@ -1,0 +1,119 @@
+"""A reduced draft vocabulary (models/draft_vocab.py, speculative_config draft_vocab_size):
+the ranking file, its checks, and an engine whose draft proposes among N tokens only, still
+giving exactly the spec-off output."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from dflash_engine import LLM, SamplingParams
+from dflash_engine.config import SpeculativeConfig
+from dflash_engine.models import draft_vocab
+from dflash_engine.models.layers import CausalLM
+
+
+def test_ranking_is_by_count_then_token_id():
+    counts = np.array([0, 5, 2, 5, 0, 1])
+    assert draft_vocab.ranking_from_counts(counts).tolist() == [1, 3, 2, 5, 0, 4]
+    assert draft_vocab.count_tokens([[1, 1, 3], [], [5, 1]], 6).tolist() == [0, 3, 0, 1, 0, 1]
+
+
+def test_load_keeps_the_n_most_frequent_ascending_and_names_bad_input(tmp_path):
+    draft_vocab.write(tmp_path, np.array([0, 5, 2, 5, 0, 1]), "test")
+    assert draft_vocab.load(tmp_path, 3, 6).tolist() == [1, 2, 3]
+    assert draft_vocab.load(tmp_path, 6, 6).tolist() == list(range(6))
+    with pytest.raises(ValueError, match="larger than the target's vocabulary"):
+        draft_vocab.load(tmp_path, 7, 6)
+    with pytest.raises(ValueError, match="positive integer"):
+        draft_vocab.load(tmp_path, 0, 6)
+    with pytest.raises(ValueError, match="rank every id"):
+        draft_vocab.load(tmp_path, 3, 8)  # a ranking of another vocabulary
+    data = json.loads((tmp_path / draft_vocab.FILE).read_text())
+    (tmp_path / draft_vocab.FILE).write_text(json.dumps({**data, "token_ids": [1, 1, 2, 3, 4, 5]}))
+    with pytest.raises(ValueError, match="rank every id"):
+        draft_vocab.load(tmp_path, 3, 6)
+    (tmp_path / draft_vocab.FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="not a draft vocabulary ranking"):
+        draft_vocab.load(tmp_path, 3, 6)
+    with pytest.raises(ValueError, match="dflash-engine draft-vocab"):
+        draft_vocab.load(tmp_path / "missing", 3, 6)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8", True])
+def test_draft_vocab_size_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        SpeculativeConfig.parse({"model": "/x", "draft_vocab_size": bad})
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def pair(trained, tmp_path_factory):
+    """The trained tiny draft in a directory of its own with a ranking of the target's answers
+    to its training-like prompts, and the spec-off reference on held-out prompts."""
+    from draft_training import random_prompts
+
+    draft = tmp_path_factory.mktemp("draft_vocab") / "draft"
+    shutil.copytree(trained.draft, draft)
+    vocab = trained.config["vocab_size"]
+    off = LLM(model=str(trained.target), device="cpu", speculative_config=None)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    train = [{"prompt_token_ids": p} for p in random_prompts(16, 8, seed=99).tolist()]
+    counts = draft_vocab.count_tokens(tokens(off.generate(train, params, use_tqdm=False)), vocab)
+    draft_vocab.write(draft, counts, "test")
+    ps = [{"prompt_token_ids": p} for p in random_prompts(8, 8, seed=4321).tolist()]  # (test_engine's held-out)
+    return draft, vocab, ps, params, tokens(off.generate(ps, params, use_tqdm=False))
+
+
+def run(target, draft, ps, params, size=None):
+    spec = {"method": "dflash", "model": str(draft), "draft_length": "fixed"}
+    if size is not None:
+        spec["draft_vocab_size"] = size
+    llm = LLM(model=str(target), device="cpu", max_num_seqs=8, speculative_config=spec)
+    return tokens(llm.generate(ps, params, use_tqdm=False)), llm.stats(), llm
+
+
+def test_the_whole_vocabulary_as_draft_vocabulary_changes_nothing(trained, pair):
+    draft, vocab, ps, params, ref = pair
+    got, full, _ = run(trained.target, draft, ps, params)
+    got_n, same, _ = run(trained.target, draft, ps, params, size=vocab)
+    assert got == ref and got_n == ref
+    assert (same.spec_num_drafts, same.spec_num_accepted_tokens, same.spec_accepted_per_pos) == (
+        full.spec_num_drafts, full.spec_num_accepted_tokens, full.spec_accepted_per_pos)
+
+
+def test_a_reduced_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(trained, pair, monkeypatch):
+    """With a handful of tokens the draft can propose only those: the output is still the
+    spec-off one, every proposal is one of them, and acceptance falls (the target's tokens
+    outside them are never proposed)."""
+    draft, vocab, ps, params, ref = pair
+    proposed = []
+    real = CausalLM.propose
+
+    def spy(self, hidden):
+        out = real(self, hidden)
+        proposed.append(out.clone())
+        return out
+    monkeypatch.setattr(CausalLM, "propose", spy)
+    keep = 6
+    allowed = set(draft_vocab.load(draft, keep, vocab).tolist())
+    got, small, llm = run(trained.target, draft, ps, params, size=keep)
+    assert got == ref
+    seen = set(np.concatenate([p.numpy() for p in proposed]).tolist())
+    assert seen and seen <= allowed
+    assert llm.engine.runner.models.target.draft_head.shape[0] == keep
+    _, full, _ = run(trained.target, draft, ps, params)
+    assert small.spec_num_accepted_tokens < full.spec_num_accepted_tokens
+
+
+def test_draft_vocab_needs_its_ranking_and_refuses_tensor_parallel(trained, tmp_path):
+    spec = {"method": "dflash", "model": str(trained.draft), "draft_vocab_size": 8}
+    with pytest.raises(ValueError, match="draft_vocab.json"):
+        LLM(model=str(trained.target), device="cpu", speculative_config=spec)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(model=str(trained.target), device="cpu", speculative_config=spec, tensor_parallel_size=2)
