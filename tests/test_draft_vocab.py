@@ -117,3 +117,32 @@ def test_draft_vocab_needs_its_ranking_and_refuses_tensor_parallel(trained, tmp_
         LLM(model=str(trained.target), device="cpu", speculative_config=spec)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(model=str(trained.target), device="cpu", speculative_config=spec, tensor_parallel_size=2)
+
+
+def test_draft_vocab_command_ranks_the_stdlib_text_through_the_targets_tokenizer(qwen3_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """`dflash-engine draft-vocab --source stdlib-text`: a ranking the engine loads, counting
+    what the tokenizer makes of the sources (here three of them)."""
+    import textwrap
+
+    from dflash_engine.cli import main
+    from dflash_engine.models.loader import read_config
+    from dflash_engine.tokenizer import Tokenizer
+    from dflash_engine.train import code_prompts
+
+    files = []
+    for i, body in enumerate(["def f(x):\n    return x + 1\n", "import os\nprint(os.sep)\n", "# a comment\n"]):
+        files.append((tmp_path / f"m{i}.py", f"m{i}"))
+        files[-1][0].write_text(textwrap.dedent(body))
+    monkeypatch.setattr(code_prompts, "_source_files", lambda root, packages: files)
+    out = tmp_path / "draft"
+    out.mkdir()
+    assert main(["draft-vocab", str(qwen3_dir), "--source", "stdlib-text", "--out", str(out)]) == 0
+    assert "tokens counted" in capsys.readouterr().out
+    vocab = read_config(qwen3_dir)["vocab_size"]
+    tok = Tokenizer.from_dir(qwen3_dir)
+    want = draft_vocab.count_tokens([tok.encode(f.read_text(), add_special_tokens=False) for f, _ in files], vocab)
+    data = json.loads((out / draft_vocab.FILE).read_text())
+    assert data["tokens_counted"] == want.sum() * len(code_prompts.code_roots("stdlib"))  # (one root: the stdlib)
+    seen = np.flatnonzero(want)
+    assert draft_vocab.load(out, len(seen), vocab).tolist() == seen.tolist()  # the seen ids rank first
