@@ -151,7 +151,9 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
             engine.step()
             t.append((time.perf_counter() - t0) * 1e3)
         engine_ms = statistics.median(t)
-        row = {"mode": "draft+verify" if spec else "decode", "c": c, "B": b, "engine_step_ms": engine_ms}
+        mode = "decode" if not spec else f"draft+verify, vocab {spec['draft_vocab_size']}" if spec.get(
+            "draft_vocab_size") else "draft+verify"
+        row = {"mode": mode, "c": c, "B": b, "engine_step_ms": engine_ms}
         if dg is not None:
             bs = dg.bucket(c)
             if dg.device.type == "cuda" and not dg.enforce_eager:
@@ -166,7 +168,8 @@ def run_mode(args, spec: dict | None, copy_gbs: float, tflops: float, device: to
             for attr in args.ab.split(",") if args.ab else []:
                 row[f"ab:{attr}"] = _ab_step(attr, dg, bs, device, args.steps)
         fl = ceilings.step_floor(target_cfg, draft_cfg, batch_size=c, context_len=args.context, rows_per_request=b,
-                                 draft_pass=spec is not None, copy_gbs=copy_gbs, gemm_tflops=tflops)
+                                 draft_pass=spec is not None, copy_gbs=copy_gbs, gemm_tflops=tflops,
+                                 draft_vocab=(spec or {}).get("draft_vocab_size"))
         row.update(floor_ms=fl.floor_ms, floor_bound=fl.bound)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -190,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="ranks (tensor parallelism: eager steps, no graph-step timing)")
-    ap.add_argument("--modes", default="off,on")
+    ap.add_argument("--modes", default="off,on",
+                    help="off (decode), on (draft + verify), vocab (draft + verify with --draft-vocab-size)")
+    ap.add_argument("--draft-vocab-size", type=int, default=32768,
+                    help="the vocab mode's draft vocabulary (the draft's draft_vocab.json: `dflash-engine draft-vocab "
+                         "TARGET --source stdlib-text --out DRAFT`)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tune-gemms", action="store_true",
                     help="the engine's few-row GEMM tuning (ops/gemm_tuning.py); with --ab "
@@ -207,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     spec = {"method": "dflash", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens}
     for mode in args.modes.split(","):
-        rows += run_mode(args, spec if mode == "on" else None, copy_gbs, tflops, device)
+        if mode not in ("on", "off", "vocab"):
+            ap.error(f"--modes: unknown mode {mode!r} (on, off, vocab)")
+        m = None if mode == "off" else spec if mode == "on" else {**spec, "draft_vocab_size": args.draft_vocab_size}
+        rows += run_mode(args, m, copy_gbs, tflops, device)
     print("\n| mode | c | step (graph) ms | draft ms | verify ms | rest ms | floor ms | step/floor | engine step ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

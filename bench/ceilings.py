@@ -181,11 +181,13 @@ class StepFloor:
 
 def step_floor(target: Any, draft: Any = None, *, batch_size: int, context_len: int,
                rows_per_request: int = 1, draft_pass: bool = False, copy_gbs: float,
-               gemm_tflops: float, weight_bytes: int = 2, kv_bytes: int = 2) -> StepFloor:
+               gemm_tflops: float, weight_bytes: int = 2, kv_bytes: int = 2,
+               draft_vocab: int | None = None) -> StepFloor:
     """Bytes and FLOPs of one step (see the module docstring for what is counted).
     `target` / `draft`: config.json dicts or ModelConfig / DraftConfig objects.
     rows_per_request: 1 for a spec-off decode, B (the block size) for a verify step.
-    draft_pass: a DFlash draft pass runs in this step (needs `draft`), over B = rows_per_request rows."""
+    draft_pass: a DFlash draft pass runs in this step (needs `draft`), over B = rows_per_request rows.
+    draft_vocab: the draft's logits over this many rows of the lm_head (None: all of them)."""
     if draft_pass and draft is None:
         raise ValueError("draft_pass needs the draft config")
     t = _Shape.of(target)
@@ -203,11 +205,12 @@ def step_floor(target: Any, draft: Any = None, *, batch_size: int, context_len: 
         b = rows
         fc = _draft_taps(draft) * d.hidden * d.hidden
         d_weights = fc + d.hidden + d.layers * (d.layer_matmul_params + d.layer_norm_params) + d.hidden
-        nbytes += (d_weights + lm_head) * weight_bytes
+        d_head = lm_head if draft_vocab is None else draft_vocab * t.hidden
+        nbytes += (d_weights + d_head) * weight_bytes
         nbytes += n * d.kv_elems_per_token(d.layers) * (ctx + 2 * b) * kv_bytes
         flops += 2 * d.layers * d.layer_matmul_params * n * b  # block rows through the layers
         flops += 4 * d.q_heads * d.head_dim * b * (ctx + b) * d.layers * n  # non-causal attention
-        flops += 2 * lm_head * n * (b - 1)  # draft logits, rows 1..B-1
+        flops += 2 * d_head * n * (b - 1)  # draft logits, rows 1..B-1
         flops += 2 * (fc + d.layers * 2 * d.hidden * d.kv_width) * n * b  # context update
     return StepFloor(bytes=float(nbytes), flops=float(flops), copy_gbs=copy_gbs, gemm_tflops=gemm_tflops)
 

@@ -69,3 +69,11 @@ def test_measurements_run_on_cpu_with_tiny_sizes():
     copy = ceilings.copy_bandwidth_gbs("cpu", nbytes=1 << 20, repeats=3, warmup=1)
     gemm = ceilings.gemm_tflops("cpu", shapes=[(64, 64, 64)], repeats=3, warmup=1)
     assert copy > 0 and gemm > 0
+
+
+def test_a_draft_vocabulary_reads_and_multiplies_only_its_rows_of_the_lm_head():
+    full = ceilings.step_floor(TARGET, DRAFT, batch_size=1, context_len=5, rows_per_request=3, draft_pass=True, **RATES)
+    small = ceilings.step_floor(TARGET, DRAFT, batch_size=1, context_len=5, rows_per_request=3, draft_pass=True,
+                                draft_vocab=4, **RATES)
+    # the draft's lm_head: 4 of 10 rows x hidden 4 -> 24 params (48 bytes) fewer; logits on 2 rows: 2 x 24 x 2 FLOPs
+    assert full.bytes - small.bytes == 48 and full.flops - small.flops == 96
