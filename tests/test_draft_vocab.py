@@ -146,3 +146,25 @@ def test_draft_vocab_command_ranks_the_stdlib_text_through_the_targets_tokenizer
     assert data["tokens_counted"] == want.sum() * len(code_prompts.code_roots("stdlib"))  # (one root: the stdlib)
     seen = np.flatnonzero(want)
     assert draft_vocab.load(out, len(seen), vocab).tolist() == seen.tolist()  # the seen ids rank first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_draft_vocabulary_through_the_graphs_equals_eager_and_spec_off(qwen3_dir, random_draft_dir, tmp_path):
+    """On the GPU the draft head is a static tensor of the captured graphs: graph replay gives
+    eager's tokens, and spec on gives spec off's (float32)."""
+    draft = tmp_path / "draft"
+    shutil.copytree(random_draft_dir, draft)
+    vocab = json.loads((qwen3_dir / "config.json").read_text())["vocab_size"]
+    draft_vocab.write(draft, np.random.default_rng(0).integers(0, 100, vocab), "test")
+    spec = {"method": "dflash", "model": str(draft), "draft_length": "fixed", "draft_vocab_size": vocab // 3}
+    ps = [{"prompt_token_ids": list(range(5 + i, 12 + 2 * i))} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(model=str(qwen3_dir), device="cuda", dtype="float32", max_num_seqs=4, num_gpu_blocks_override=128)
+    graphs = LLM(**kw, speculative_config=spec)
+    assert graphs.engine.runner.models.target.draft_head.shape[0] == vocab // 3
+    on = tokens(graphs.generate(ps, params, use_tqdm=False))
+    del graphs
+    eager = tokens(LLM(**kw, speculative_config=spec, enforce_eager=True).generate(ps, params, use_tqdm=False))
+    off = tokens(LLM(**kw, speculative_config=None).generate(ps, params, use_tqdm=False))
+    assert on == eager == off
