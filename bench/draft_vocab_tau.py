@@ -3,7 +3,7 @@ draft_vocab_size; docs/perf.md "Draft vocabulary"): the embedded SmolLM2 target 
 K fixed, the first N HumanEval and chat prompts as user messages, greedy. Each engine's outputs
 are compared with the full vocabulary's (lossless: they should be equal on the CPU in float32).
 
-    python bench/draft_vocab_tau.py --draft DIR [--sizes 4096,16384] [--limit 16] [--max-tokens 64]
+    python bench/draft_vocab_tau.py --draft DIR [--sizes 4096,16384] [--limit 16] [--max-tokens 64] [--sets humaneval,chat]
         [--device cpu] [--k 15] [--concurrency 8]
 
 DIR needs a draft_vocab.json (`dflash-engine draft-vocab --source stdlib-text --out DIR`).
@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=15)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sets", default="humaneval,chat")
     args = ap.parse_args(argv)
-    sets = {"humaneval": humaneval_prompts()[:args.limit], "chat": CHAT_PROMPTS[:args.limit]}
+    sources = {"humaneval": humaneval_prompts, "chat": lambda: CHAT_PROMPTS}
+    sets = {name: sources[name]()[:args.limit] for name in args.sets.split(",")}
     outs = {}
     for size in [None] + [int(x) for x in args.sizes.split(",") if x]:
         spec = {"method": "dflash", "model": args.draft, "num_speculative_tokens": args.k, "draft_length": "fixed"}
