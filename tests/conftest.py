@@ -47,8 +47,57 @@ def _row_invariant_interpreter_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _no_repatching_in_device_calls() -> None:
+    """The interpreter re-patches triton.language on every call of a @triton.jit device function
+    (InterpretedFunction.__call__ -> _patch_lang: inspect.getmembers over tl, tl.core, tl.tensor,
+    tl.math ...; tl.sum, tl.cdiv are such functions too), i.e. once per program instance per
+    helper call: a large part of a kernel-path step's time on CPU. Inside a launch
+    (GridExecutor.__call__, which patches and restores around its grid) a repeat of a patch
+    already made sets every attribute to an equivalent value (the builtins it would wrap are
+    wrapped already; the rest are stateless closures) and its scope is never restored, so a
+    device function whose language modules the launch, or an earlier device call in it, patched
+    skips it. Launches, and the first device call seeing a module not yet patched in the launch,
+    go through the interpreter's own _patch_lang unchanged."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original, scope_cls = getattr(ti, "_patch_lang", None), getattr(ti, "_LangPatchScope", None)
+    if original is None or scope_cls is None or not hasattr(scope_cls, "restore"):
+        return
+    patched: set[int] = set()  # the language modules (ids) patched in the running launch
+    running = [False]
+
+    def langs(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def patch_lang(fn):
+        mine = langs(fn)
+        if running[0]:  # a device function's call inside a launch
+            if mine <= patched:
+                return scope_cls()
+            scope = original(fn)
+            patched.update(mine)
+            return scope
+        scope = original(fn)  # a launch: restored (finally) when its grid is done
+        running[0] = True
+        patched.update(mine)
+        restore = scope.restore
+
+        def restore_and_end():
+            running[0] = False
+            patched.clear()
+            restore()
+        scope.restore = restore_and_end
+        return scope
+
+    ti._patch_lang = patch_lang
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _row_invariant_interpreter_dot()
+    _no_repatching_in_device_calls()
 
 
 @pytest.fixture(scope="session")

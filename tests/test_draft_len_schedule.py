@@ -92,7 +92,8 @@ def test_decode_graph_path_keeps_one_runner_per_block(qwen3_dir, random_draft_di
         pytest.skip("the interpreter mode is for machines without a GPU")
     used = decode_runs
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
-    params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(3)]
+    # 3, 5, 7 tokens: two decode steps at each block length (3, 2, 1 decoding requests: B = 2, 3, 4)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(3)]
     ps = prompts(3)
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, speculative_config=spec(random_draft_dir))
     runners = llm.engine.runner.graphs

@@ -126,7 +126,9 @@ def test_engine_step_records_its_shapes_and_runs_the_picks(qwen3_dir, random_dra
     shape tuned to the skinny kernel the engine's tokens still equal the reference path's."""
     rng = np.random.default_rng(3)
     ps = [{"prompt_token_ids": rng.integers(3, 250, size=int(rng.integers(3, 12))).tolist()} for _ in range(2)]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    # (3 tokens: the prefill's, then two decode steps through the picks; a kernel-path step costs
+    # seconds under the interpreter)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     # (the default mode: the exact mode's GEMMs never come here)
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, max_mixed_graph_tokens=16, batch_invariant=False,
               speculative_config={"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed"})

@@ -245,7 +245,9 @@ def test_mixed_steps_through_the_graph_shapes_equal_the_reference(qwen3_dir, ran
     gives (its mixed steps eager, in the plan's own shapes). Drafts are accepted by a seeded RNG (the random draft's own would all be rejected), so accepted runs
     of every length pass through the mixed steps' acceptance. Every other request samples
     (temperature, top-k, top-p; keyed by seed and position, so any path gives its tokens)."""
-    ps, params = arrivals(6, most=12)
+    # (seed 14, up to 8 tokens: 6 steps, 4 of them mixed, with 3 decoding requests in one and
+    # accepted runs of 0-3 drafts among them; each kernel-path row costs ~0.1 s)
+    ps, params = arrivals(6, seed=14, most=8)
     params = [p if i % 2 else SamplingParams(temperature=0.9, top_k=30, top_p=0.95, max_tokens=p.max_tokens,
                                              ignore_eos=True, seed=i) for i, p in enumerate(params)]
     spec = {"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed",
@@ -271,7 +273,8 @@ def eager_replay(self, bs, p, all_greedy):
 def test_a_failed_mixed_capture_falls_back_to_eager_steps(qwen3_dir, random_draft_dir, monkeypatch, caplog):
     """A mixed graph's first-use capture that raises (out of memory, say) costs no request:
     that step and every later mixed step run eagerly, and the tokens are the reference's."""
-    ps, params = arrivals(3, seed=2, most=5)
+    # (seed 14, up to 3 tokens: 5 steps, two of them mixed, i.e. the failed capture's and a later one)
+    ps, params = arrivals(3, seed=14, most=3)
     spec = {"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed"}
 
     def capture(self, bs, p, all_greedy):  # decode "graphs" replay eagerly; mixed ones fail
@@ -316,7 +319,9 @@ def test_the_mixed_step_limit_keeps_steps_with_arrivals_in_graphs(qwen3_dir, ran
     64-token step budget), a step with decoding requests never carries more prefill than a
     mixed graph takes: none of them runs eagerly, where without the limit some do; the tokens
     are the reference path's either way (a chunk that waits a step changes no output)."""
-    ps, params = arrivals(8, seed=5, most=10)
+    # 5 requests: the unlimited run meets one step of decode rows beside a 22-token chunk (eager);
+    # the limited run splits it (each kernel-path row costs ~0.1 s under the interpreter)
+    ps, params = arrivals(5, seed=9, most=10)
     spec = {"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed",
             "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.9, 0.7, 0.5]}
     kw = dict(model=str(qwen3_dir), device="cpu", max_num_seqs=3, max_num_batched_tokens=64,

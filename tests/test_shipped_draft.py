@@ -69,7 +69,8 @@ def test_shipped_draft_is_lossless_and_accepts_on_the_shipped_target():
         "What is the capital of France?",
         "Give me three tips for staying focused while studying.",
     )]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # 16 tokens: τ 1.78 on these prompts (1.82 at 32), a 16-row verify block per step on CPU
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     kw = dict(model=None, device="cpu", batch_invariant=True, max_model_len=512, max_num_seqs=4)
     on = LLM(speculative_config={"method": "dflash"}, **kw)
     a = [o.outputs[0].token_ids for o in on.chat(prompts, params, use_tqdm=False)]
