@@ -116,6 +116,21 @@ def test_a_mixed_plan_is_staged_with_padding_blocks_apart_from_real_rows():
     assert list(v["d_seq_lens"][:bs]) == [11, 21, 31, 0]
 
 
+def random_plan(rng, g: GraphRunner, b: int, d: int):
+    """A plan of 1-8 decoding requests (and, with at most 4, 0-2 prefill chunks) with random
+    page tables of a random width, and its sampling batch. -> (plan, batch, decoding requests,
+    table width)."""
+    rd = int(rng.integers(1, 9))
+    chunks = [(0, int(rng.integers(1, 6)), True)] * int(rng.integers(0, 3)) if rd <= 4 else []
+    p = make(b, [10] * rd, chunks, d)
+    width = int(rng.integers(1, g.width + 1))
+    p.page_tables = rng.integers(1, 1000, size=(len(p), width)).astype(np.int32)
+    n = len(p)
+    st = batch(p, top_k=np.ones(n), seed=np.zeros(n), greedy=np.ones(n, bool), temperature=np.ones(n),
+               top_p=np.ones(n), min_p=np.zeros(n))
+    return p, st, rd, width
+
+
 def test_staged_page_tables_are_each_plans_own_and_the_null_page_elsewhere():
     """Staging writes a plan's page tables and zeroes only what the previous plan covered and
     this one does not (not every row's whole width): after any sequence of plans of varying
@@ -125,17 +140,9 @@ def test_staged_page_tables_are_each_plans_own_and_the_null_page_elsewhere():
     g = runner(b, d)
     rng = np.random.default_rng(5)
     full = g._view(g.host_i64, "pages").numpy()
-    st = None
     for _ in range(60):
-        rd = int(rng.integers(1, 9))
-        chunks = [(0, int(rng.integers(1, 6)), True)] * int(rng.integers(0, 3)) if rd <= 4 else []
-        p = make(b, [10] * rd, chunks, d)
-        width = int(rng.integers(1, g.width + 1))
-        p.page_tables = rng.integers(1, 1000, size=(len(p), width)).astype(np.int32)
-        n = len(p)
-        st = batch(p, top_k=np.ones(n), seed=np.zeros(n), greedy=np.ones(n, bool), temperature=np.ones(n),
-                   top_p=np.ones(n), min_p=np.zeros(n))
-        pb = g.mixed_bucket(p) if chunks else 0
+        p, st, rd, width = random_plan(rng, g, b, d)
+        pb = g.mixed_bucket(p) if p.r > rd else 0
         g._stage(p, st, g.bucket(rd), pb or 0)
         want = np.zeros_like(full).reshape(-1, g.width)
         want[:len(p), :width] = p.page_tables
@@ -160,17 +167,11 @@ def test_a_steps_device_inputs_are_its_own_plans_after_any_sequence_of_buckets()
     g.step = step
     rng = np.random.default_rng(7)
     for _ in range(40):
-        rd = int(rng.integers(1, 9))
-        chunks = [(0, int(rng.integers(1, 6)), True)] * int(rng.integers(0, 3)) if rd <= 4 else []
-        p = make(b, [10] * rd, chunks, d)
-        width = int(rng.integers(1, g.width + 1))
-        p.page_tables = rng.integers(1, 1000, size=(len(p), width)).astype(np.int32)
+        p, st, rd, width = random_plan(rng, g, b, d)
         p.input_ids = rng.integers(1, 1000, size=p.num_rows).astype(np.int64)
         n = len(p)
-        st = batch(p, top_k=np.ones(n), seed=np.zeros(n), greedy=np.ones(n, bool), temperature=np.ones(n),
-                   top_p=np.ones(n), min_p=np.zeros(n))
-        pb = (g.mixed_bucket(p) or 0) if chunks else 0
-        if chunks and not pb:
+        pb = (g.mixed_bucket(p) or 0) if n > rd else 0
+        if n > rd and not pb:
             continue
         g.run(p, st, True, pb)
         want = np.zeros((seen["nr"], g.width), np.int32)  # the real requests in plan order, then padding
