@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import time
 
@@ -115,9 +116,9 @@ def build(target, draft, prompts: list[str], c: int, max_tokens: int, device: st
     spec = None
     if draft:
         spec = {"method": "dflash", "model": draft}  # draft_length None: the engine's default (adaptive)
-        if draft_length is not None and "v" in str(draft_length):  # "15v8192": K = 15, draft_vocab_size 8192
-            draft_length, vocab = str(draft_length).split("v")
-            spec["draft_vocab_size"] = int(vocab)
+        m = re.fullmatch(r"(adaptive|\d+)v(\d+)", str(draft_length))  # "15v8192": K = 15, draft_vocab_size 8192
+        if m:
+            draft_length, spec["draft_vocab_size"] = m[1], int(m[2])
         if draft_length not in (None, "adaptive"):
             spec["num_speculative_tokens"] = int(draft_length)
     llm = LLM(model=target, speculative_config=spec, max_num_seqs=c, device=device,
