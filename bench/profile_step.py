@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e3
-        dg = engine.runner.graphs.get(spec["num_speculative_tokens"] + 1) if args.replay else None
+        dg = engine.runner.graphs.get(spec["num_speculative_tokens"] + 1)  # the verify block's graph runner
         replay = None
-        if dg is not None and not dg.enforce_eager:
+        if args.replay and dg is not None and not dg.enforce_eager:
             # The bare captured step of this batch's bucket: what bench_step times as step_ms.
             replay = dg.graphs[(dg.bucket(c), 0, True)].replay
             replay()
@@ -101,14 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                 counts[name] += e.count
         total = sum(totals.values())
         mode = "graphs" if args.graphs else "eager"
-        dg_bucket = None
-        if args.graphs:
-            runner = engine.runner.graphs.get(spec["num_speculative_tokens"] + 1)
-            dg_bucket = runner.bucket(c) if runner is not None else None
         what = f"graph replays of bucket {dg.bucket(c)} ({replay_ms:.2f} ms each unprofiled)" if replay else mode
         print(f"## c={c}: GPU kernel time per step {total / args.steps / 1e3:.2f} ms, engine step wall {wall:.2f} ms "
               f"(profiled: {what}, {args.steps} steps, after {prefill_steps} prefill steps)")
-        if args.graphs and any(key[0] == dg_bucket for key in engine_pdl_graphs(engine)):
+        if args.graphs and dg is not None and any(key[0] == dg.bucket(c) for key in dg.pdl_graphs):
             print("(captured with PDL: a kernel's time includes its wait for the one before it; --pdl off for "
                   "times that add up)")
         print("| kernel | ms/step | launches/step | share |\n|---|---:|---:|---:|")
@@ -118,11 +114,6 @@ def main(argv: list[str] | None = None) -> int:
         del engine
         torch.cuda.empty_cache()
     return 0
-
-
-def engine_pdl_graphs(engine) -> set:
-    """The (bucket, P, all greedy) keys of the engine's graphs captured with PDL."""
-    return set().union(*(g.pdl_graphs for g in engine.runner.graphs.values()))
 
 
 if __name__ == "__main__":

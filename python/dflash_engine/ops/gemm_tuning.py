@@ -54,7 +54,9 @@ CANDIDATES: tuple[SkinnyConfig, ...] = (
     SkinnyConfig(block_n=128, block_k=128, split_k=2, num_stages=4, fold_reduce=True),
     SkinnyConfig(block_n=64, block_k=256, split_k=2, num_stages=3, fold_reduce=True),
     # At 64 rows every 4-warp tile above spills registers (bench/kernel_regs.py with the
-    # device's Triton 3.6: 1.4-9 KB); these two do not (197 and 250 registers). Not yet timed.
+    # device's Triton 3.6: 1.4-9 KB); these two do not (197 and 250 registers). Run 51 (H100,
+    # bench_skinny_gemm --rows 64): 8 warps beat the 4-warp tiles 2-3x but not cuBLAS (x0.85-0.86
+    # on qkv and o_proj), so the tuning keeps cuBLAS there; kept for shapes where they may win.
     SkinnyConfig(block_n=64, block_k=128, split_k=2, num_warps=8, num_stages=4, fold_reduce=True),
     SkinnyConfig(block_n=128, block_k=128, split_k=2, num_warps=8, num_stages=4, fold_reduce=True),
 )
