@@ -1,7 +1,7 @@
 """Time of one prompt's prefill step, against the GEMM rate (issue 22: the ladder's prefills).
 
     python bench/bench_prefill.py --target QWEN3_8B_DIR [--draft DRAFT_DIR] [--lengths 1024,2048]
-                                  [--modes off,on] [--repeats 5] [--profile] [--top 20] [--json OUT.json]
+                                  [--modes off,on] [--k 15] [--repeats 5] [--profile] [--top 20] [--json OUT.json]
 
 In the 8B ladder every request's 1,024-token prompt is prefilled in a step of its own at c = 1
 (TTFT 39-42 ms on an H100, run 51) or inside a mixed step; at 512 output tokens and ~79
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default=None, help="the DFlash draft (needed for mode on)")
     ap.add_argument("--lengths", default="1024,2048")
     ap.add_argument("--modes", default="off,on", help="off (target only), on (target + draft)")
+    ap.add_argument("--k", type=int, default=15, help="mode on's draft tokens (num_speculative_tokens)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=20)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     rng = np.random.default_rng(0)
     for mode in modes:
-        spec = None if mode == "off" else {"method": "dflash", "model": args.draft, "num_speculative_tokens": 15}
+        spec = None if mode == "off" else {"method": "dflash", "model": args.draft, "num_speculative_tokens": args.k}
         engine = LLMEngine(EngineConfig(
             model=args.target, speculative_config=spec, max_num_seqs=4, max_model_len=max(lengths) + 64,
             max_num_batched_tokens=max(lengths), enforce_eager=True, dtype="bfloat16" if device.type == "cuda" else "float32"))
