@@ -9,8 +9,9 @@ draft+verify steps a request, that prefill is ~6% of a c = 1 request's time and 
 as c grows, where each arrival's prefill compute is paid whatever it rides with. The prefill is
 FLOP-bound, so its floor is its FLOPs at the measured bf16 GEMM rate (bench/ceilings.py).
 
-For each mode (off: target only; on: target + the DFlash draft's context update and first
-block) and prompt length L, one request with an L-token random prompt and max_tokens = 1 is
+For each mode (off: target only; on: target + the draft-context write of every prompt row's
+taps, step.verify_pass; a step of prompt rows alone runs no draft block, the request's first
+one runs in its next step) and prompt length L, one request with an L-token random prompt and max_tokens = 1 is
 added to an idle engine and `LLMEngine.step()` is timed until it finishes (a single step when
 L <= max_num_batched_tokens, set to the longest L; the overlapped engine returns it from the
 next `step()` call), median of --repeats after one warm-up. The engine is built with
