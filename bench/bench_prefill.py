@@ -26,7 +26,6 @@ On a machine without a GPU it runs the same flow on the CPU as a smoke test.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
@@ -38,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ceilings  # noqa: E402
+from profile_step import kernel_totals  # noqa: E402
 
 from dflash_engine import SamplingParams  # noqa: E402
 from dflash_engine.config import EngineConfig  # noqa: E402
@@ -84,16 +84,7 @@ def profile_table(engine: LLMEngine, prompt: list[int], rid: str, device: torch.
     acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         prefill_ms(engine, prompt, rid, device)
-    totals: dict[str, float] = collections.defaultdict(float)
-    counts: dict[str, int] = collections.defaultdict(int)
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None) if device.type == "cuda" else e.self_cpu_time_total
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if t > 0:
-            name = e.key.split("(")[0][:70]
-            totals[name] += t
-            counts[name] += e.count
+    totals, counts = kernel_totals(prof, device=device.type == "cuda")
     total = sum(totals.values())
     lines = [f"kernel time {total / 1e3:.2f} ms", "| kernel | ms | launches | share |", "|---|---:|---:|---:|"]
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:

@@ -29,6 +29,25 @@ from dflash_engine.config import EngineConfig
 from dflash_engine.engine import LLMEngine
 
 
+def kernel_totals(prof, device: bool = True) -> tuple[dict[str, float], dict[str, int]]:
+    """A torch.profiler run's self time (us) and calls per kernel name (the name up to its
+    argument list, 70 characters): device time, or with `device=False` (a CPU smoke run) CPU time."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.defaultdict(int)
+    for e in prof.key_averages():
+        if device:
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            name = e.key.split("(")[0][:70]
+            totals[name] += t
+            counts[name] += e.count
+    return totals, counts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
@@ -89,16 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.steps):
                 replay() if replay is not None else engine.step()
             torch.cuda.synchronize()
-        totals: dict[str, float] = collections.defaultdict(float)
-        counts: dict[str, int] = collections.defaultdict(int)
-        for e in prof.key_averages():
-            t = getattr(e, "self_device_time_total", None)
-            if t is None:
-                t = getattr(e, "self_cuda_time_total", 0)
-            if t > 0:
-                name = e.key.split("(")[0][:70]
-                totals[name] += t
-                counts[name] += e.count
+        totals, counts = kernel_totals(prof)
         total = sum(totals.values())
         mode = "graphs" if args.graphs else "eager"
         what = f"graph replays of bucket {dg.bucket(c)} ({replay_ms:.2f} ms each unprofiled)" if replay else mode
