@@ -320,12 +320,16 @@ def test_the_mixed_step_limit_keeps_steps_with_arrivals_in_graphs(qwen3_dir, ran
     64-token step budget), a step with decoding requests never carries more prefill than a
     mixed graph takes: none of them runs eagerly, where without the limit some do; the tokens
     are the reference path's either way (a chunk that waits a step changes no output)."""
-    # 5 requests: the unlimited run meets one step of decode rows beside a 22-token chunk (eager);
-    # the limited run splits it (each kernel-path row costs ~0.1 s under the interpreter)
-    ps, params = arrivals(5, seed=9, most=10)
+    # 2 seats, 4 requests: the first decodes 12 tokens while the second's 2 finish; the third's
+    # 17-token prompt then joins its decode rows (one token over the graphs' 16: the unlimited run
+    # takes that step eagerly, the limited run splits the chunk), the fourth's 4 tokens fit a mixed
+    # graph either way (each kernel-path row costs ~0.1 s under the interpreter: few, short prompts)
+    rng = np.random.default_rng(9)
+    ps = [{"prompt_token_ids": rng.integers(3, 250, size=n).tolist()} for n in (3, 3, 17, 4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 2, 2, 2)]
     spec = {"method": "dflash", "model": str(random_draft_dir), "draft_length": "fixed",
             "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.9, 0.7, 0.5]}
-    kw = dict(model=str(qwen3_dir), device="cpu", max_num_seqs=3, max_num_batched_tokens=64,
+    kw = dict(model=str(qwen3_dir), device="cpu", max_num_seqs=2, max_num_batched_tokens=64,
               max_mixed_graph_tokens=16, speculative_config=spec)
     monkeypatch.setenv("DFLASH_KERNELS_ON_CPU", "1")
     monkeypatch.setattr(GraphRunner, "_capture_one", eager_replay)
