@@ -51,8 +51,8 @@ def test_kernel_step_on_cpu_matches_the_reference(qwen3_dir, random_draft_dir, k
     requests (bucket 4: one padding request) and 2; the same tokens as the reference path
     with the overlap off."""
     ps = prompts(n)
-    # 5 tokens: the prefill's, then 4 decode steps back to back (each ~2 s under the interpreter)
-    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    # 4 tokens: the prefill's, then 3 decode steps back to back (each ~2 s under the interpreter)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm = LLM(model=str(qwen3_dir), device="cpu", max_num_seqs=4, speculative_config=spec(random_draft_dir))
     assert llm.engine.runner.graphs and llm.engine.overlap
     fast = tokens(llm.generate(ps, greedy, use_tqdm=False))
