@@ -600,11 +600,12 @@ def test_external_launcher_needs_torchruns_environment(qwen3_dir, monkeypatch):
 def trained_hybrid_pair(tmp_path_factory):
     """The trained tiny hybrid pair of tests/test_hybrid_engine.py (same recipe: the draft
     comes from the session's cache when that module ran first)."""
-    from draft_training import make_learnable_hybrid_target, train_tiny_draft
+    from draft_training import HYBRID_DRAFT_STEPS, make_learnable_hybrid_target, train_tiny_draft
 
     root = tmp_path_factory.mktemp("tp_trained_hybrid")
     target = make_learnable_hybrid_target(root / "target")
-    draft = train_tiny_draft(target, root / "draft", block_size=4, cache_dir=tmp_path_factory.getbasetemp() / "drafts")
+    draft = train_tiny_draft(target, root / "draft", block_size=4, steps=HYBRID_DRAFT_STEPS,
+                             cache_dir=tmp_path_factory.getbasetemp() / "drafts")
     return target, draft
 
 
