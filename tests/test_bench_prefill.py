@@ -40,16 +40,21 @@ def test_prefill_flops_by_hand():
     assert bench_prefill.target_flops(plain, 1) == 2 * (4 * 2 * 6 + 16 + 96) + 4 * 2 * 2 * 1 + 80
 
 
-def test_the_script_times_both_modes_on_the_cpu(qwen3_dir, random_draft_dir, tmp_path, capsys):
+def test_the_script_times_both_modes_alone_and_beside_decoders_on_the_cpu(qwen3_dir, random_draft_dir, tmp_path,
+                                                                           capsys):
     out = tmp_path / "prefill.json"
-    rc = bench_prefill.main(["--target", str(qwen3_dir), "--draft", str(random_draft_dir), "--lengths", "24,40", "--k", "3",
-                             "--repeats", "1", "--profile", "--top", "3", "--json", str(out)])
+    rc = bench_prefill.main(["--target", str(qwen3_dir), "--draft", str(random_draft_dir), "--lengths", "24,40",
+                             "--k", "3", "--beside", "0,2", "--repeats", "1", "--profile", "--top", "3",
+                             "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["length"]) for r in rows] == [("off", 24), ("off", 40), ("on", 24), ("on", 40)]
-    assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert [(r["mode"], r["beside"], r["length"]) for r in rows] == [
+        (m, n, length) for m in ("off", "on") for n in (0, 2) for length in (24, 40)]
+    assert all(r["steps"] >= 1 for r in rows)
+    assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 for r in rows if r["beside"] == 0)  # (a marginal may be noise)
     printed = capsys.readouterr().out
-    assert printed.count("| kernel | ms | launches | share |") == 4
+    assert printed.count("| kernel | ms | launches | share |") == 8
+    assert printed.count("beside 2 decoding") == 4
 
 
 def test_mode_on_needs_a_draft(qwen3_dir):
