@@ -22,7 +22,8 @@ warm-up. N = 0: the prefill alone, its wall time. N > 0: its marginal time, the 
 minus as many pure decode steps of the same batch (timed just before). Reported: ms, prompt
 tokens/s, the target's FLOPs (2 x every layer matmul weight per prompt row, causal attention
 2 x 2 x heads x head_dim per (row, key) pair, the logits of one row) over that time as
-TFLOP/s, and its share of the GEMM rate. The engine has CUDA graphs (the served engine's
+TFLOP/s, and its share of the GEMM rate (a marginal can pass 100%: the decode rows' weight
+reads, paid anyway, serve the prompt's rows too). The engine has CUDA graphs (the served engine's
 decode and mixed steps; a step of prompt rows alone runs eagerly there too) and the default
 token budget (so the chunks are the served ones). --profile adds a torch.profiler table of the
 prompt's steps per (mode, N, L), summed per kernel name.
