@@ -9,7 +9,8 @@
 # SCHED adds a spec-on ladder with a draft-length schedule; OFF_CONC limits the spec-off rungs.
 # KS entries: K (fixed) or aK (adaptive up to K), either with vN appended (e.g. 15v32768: the
 # draft proposes among the target's N most frequent tokens; the ranking is written into the
-# draft's directory by `dflash-engine draft-vocab --source stdlib-text` if missing); RATES: decaying per-position rates (see spec()).
+# draft's directory by `dflash-engine draft-vocab --source stdlib-text` if missing);
+# RATES: decaying per-position rates (see spec()).
 # SHAPE (default qwen3-8b; qwen3.5-27b for the hybrid ladder of issue 19), KS (draft lengths,
 # default 15: one spec-on ladder each; KS="" none), MAXLEN (--max-model-len, default 8192), LONG_CONC
 # (rungs of one more spec-on ladder at --max-model-len 32768, K = the first of KS), OFF=0
@@ -44,7 +45,7 @@ spec() {
     k=${1%%v*}; vocab=""; [ "$k" != "$1" ] && vocab=', "draft_vocab_size": '${1##*v}
     kk=${k#a}; dl='"fixed"'; [ "$kk" != "$k" ] && dl='"adaptive"'; k=$kk
     if [ -n "$vocab" ] && [ ! -f $QD/draft_vocab.json ]; then
-        python3 -m dflash_engine.cli draft-vocab $Q --source stdlib-text --out $QD >&2 2>&1 | tail -2 >&2
+        python3 -m dflash_engine.cli draft-vocab $Q --source stdlib-text --out $QD 2>&1 | tail -2 >&2
     fi
     if [ -n "${RATES:-}" ]; then
         r=$(python3 -c "import json,sys; r=json.loads(sys.argv[1]); k=int(sys.argv[2]); print(json.dumps((r+[r[-1]]*k)[:k]))" "$RATES" $k)
