@@ -168,3 +168,34 @@ def test_draft_vocabulary_through_the_graphs_equals_eager_and_spec_off(qwen3_dir
     eager = tokens(LLM(**kw, speculative_config=spec, enforce_eager=True).generate(ps, params, use_tqdm=False))
     off = tokens(LLM(**kw, speculative_config=None).generate(ps, params, use_tqdm=False))
     assert on == eager == off
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_draft_vocab_command_picks_its_source_by_the_device(qwen3_dir, tmp_path, monkeypatch, capsys, gpu):
+    """No --source: the target's answers where a GPU generates them, the stdlib text without
+    one (answers on a CPU take hours); the choice is printed."""
+    import torch
+
+    from dflash_engine.cli import main
+    from dflash_engine.train import code_prompts
+    from dflash_engine.train import draft_vocab as command
+
+    (tmp_path / "m.py").write_text("x = 1\n")
+    monkeypatch.setattr(code_prompts, "_source_files", lambda root, packages: [(tmp_path / "m.py", "m")])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    answered = []
+
+    def fake_build_dataset(target, data_dir, cfg, block_size, device):  # the GPU job, not run here
+        answered.append(device)
+        return [], {}
+
+    monkeypatch.setattr(command, "build_dataset", fake_build_dataset)
+    out = tmp_path / "draft"
+    out.mkdir()
+    assert main(["draft-vocab", str(qwen3_dir), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    source = json.loads((out / draft_vocab.FILE).read_text())["source"]
+    if gpu:
+        assert answered == ["auto"] and "--source auto: answers" in printed and "greedy answers" in source
+    else:
+        assert answered == [] and "--source auto: stdlib-text (no GPU" in printed and "standard-library" in source

@@ -1,7 +1,8 @@
 """`dflash-engine draft-vocab TARGET --out DRAFT_DIR`: the draft vocabulary's token ranking
 (models/draft_vocab.py), written to DRAFT_DIR/draft_vocab.json; `speculative_config`
-`draft_vocab_size: N` then proposes among the N most frequent. Sources:
-- `answers` (default): the target's own greedy answers to train-draft's prompts (self-written
+`draft_vocab_size: N` then proposes among the N most frequent. Sources (`auto`, the default:
+`answers` where a GPU generates them, else `stdlib-text`):
+- `answers`: the target's own greedy answers to train-draft's prompts (self-written
   and stdlib code ones; cached, and shared with train-draft when the recipe matches): what a
   draft has to propose. Generation wants a GPU (on a 2-core CPU it takes hours);
 - `stdlib-text`: the standard library's Python sources (code, docstrings, comments) through the
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("target", nargs="?", default=None,
                     help="the target's Hugging Face directory or .gguf (default: the embedded model)")
     ap.add_argument("--out", required=True, help="the draft's directory (or a .json path)")
-    ap.add_argument("--source", choices=["answers", "stdlib-text"], default="answers")
+    ap.add_argument("--source", choices=["auto", "answers", "stdlib-text"], default="auto",
+                    help="auto (default): answers with a GPU, stdlib-text without one")
     ap.add_argument("--samples", type=int, default=512, help="prompts the target answers (default 512)")
     ap.add_argument("--response-tokens", type=int, default=256)
     ap.add_argument("--data-dir", default=None, help="cache of the target's answers (default: OUT/.draft_vocab_data)")
@@ -41,7 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     target = Path(resolve_model_path(args.target))
     vocab = target_config(read_config(target)).vocab_size
     out = Path(args.out)
-    if args.source == "stdlib-text":
+    source = args.source
+    if source == "auto":
+        import torch
+
+        gpu = args.device != "cpu" and torch.cuda.is_available()
+        source = "answers" if gpu else "stdlib-text"
+        print(f"--source auto: {source} (" + ("the target's answers, generated on the GPU" if gpu else
+              "no GPU: generating answers on a CPU takes hours; --source answers forces it") + ")")
+    if source == "stdlib-text":
         counts, source = stdlib_text_counts(target, vocab)
         return report(draft_vocab.write(out, counts, source), counts, vocab)
     data_dir = Path(args.data_dir) if args.data_dir else (out if out.is_dir() else out.parent) / ".draft_vocab_data"
