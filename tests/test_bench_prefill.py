@@ -60,3 +60,19 @@ def test_the_script_times_both_modes_alone_and_beside_decoders_on_the_cpu(qwen3_
 def test_mode_on_needs_a_draft(qwen3_dir):
     with pytest.raises(SystemExit):
         bench_prefill.main(["--target", str(qwen3_dir), "--modes", "on"])
+
+
+def test_kernel_totals_sum_device_time_per_kernel_name():
+    """profile_step.kernel_totals (shared with bench_prefill; profile_step itself needs a GPU):
+    device self time and calls summed per name up to its argument list; zero-time entries dropped."""
+    from types import SimpleNamespace
+
+    import profile_step  # bench/, imported by bench_prefill
+
+    def ev(key, device_us, cpu_us, count):
+        return SimpleNamespace(key=key, self_device_time_total=device_us, self_cpu_time_total=cpu_us, count=count)
+
+    events = [ev("gemm(a, b)", 10.0, 1.0, 2), ev("gemm(c)", 5.0, 2.0, 1), ev("norm", 3.0, 0.0, 4), ev("cpu_only", 0, 7.0, 1)]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert profile_step.kernel_totals(prof) == ({"gemm": 15.0, "norm": 3.0}, {"gemm": 3, "norm": 4})
+    assert profile_step.kernel_totals(prof, device=False) == ({"gemm": 3.0, "cpu_only": 7.0}, {"gemm": 3, "cpu_only": 1})
