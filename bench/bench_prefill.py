@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ceilings  # noqa: E402
-from profile_step import kernel_totals  # noqa: E402
+from profile_step import kernel_totals, step_until_started  # noqa: E402
 
 from dflash_engine import SamplingParams  # noqa: E402
 from dflash_engine.config import EngineConfig  # noqa: E402
@@ -102,11 +102,8 @@ def start_decoders(engine: LLMEngine, prompts: list[list[int]], tag: str, model_
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=model_len - len(p), ignore_eos=True))
-    for _ in range(256):
-        if all(engine._requests[engine.scheduler.handle_of(r)].token_ids for r in ids):
-            return ids
-        engine.step()
-    raise RuntimeError("the decoding requests did not start in 256 steps")
+    step_until_started(engine, ids, limit=256)
+    return ids
 
 
 def marginal_ms(engine: LLMEngine, prompt: list[int], rid: str, device: torch.device) -> tuple[float, int]:

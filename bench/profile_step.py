@@ -48,6 +48,18 @@ def kernel_totals(prof, device: bool = True) -> tuple[dict[str, float], dict[str
     return totals, counts
 
 
+def step_until_started(engine: LLMEngine, ids: list[str], limit: int = 1024) -> int:
+    """Step `engine` until every request of `ids` has its first token (its prompt prefilled);
+    -> the steps it took. RuntimeError past `limit` steps."""
+    steps = 0
+    while not all(engine._requests[engine.scheduler.handle_of(r)].token_ids for r in ids):
+        if steps == limit:
+            raise RuntimeError(f"the requests did not all start in {limit} steps")
+        engine.step()
+        steps += 1
+    return steps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
@@ -80,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         # Until every prompt is prefilled (c = 32 x 1024 tokens takes more than the few warm-up
         # steps this used to run: run 47's and this session's c = 32 tables had prefill chunks
         # inside the profiled steps), then a few pure decode steps.
-        prefill_steps = 0
-        while not all(engine._requests[engine.scheduler.handle_of(r)].token_ids for r in ids):
-            engine.step()
-            prefill_steps += 1
+        prefill_steps = step_until_started(engine, ids)
         for _ in range(3):
             engine.step()
         torch.cuda.synchronize()

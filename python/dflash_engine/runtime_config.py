@@ -22,8 +22,8 @@ from . import _core, envs
 from .config import EngineConfig, synthetic_rates
 from .cpu import resolve_format
 from .model_path import is_gguf_model, resolve_model_path
+from .models import draft_vocab as _draft_vocab
 from .models.config import DraftConfig, ModelConfig, resolve_dtype, validate_draft_against_target
-from .models.draft_vocab import load as draft_vocab_ids
 from .models.loader import read_config, target_config
 from .models.parallel import rank_config, shard_problems
 
@@ -186,9 +186,9 @@ def resolve(cfg: EngineConfig) -> RuntimeConfig:
         if spec.draft_vocab_size is not None:
             if cfg.tensor_parallel_size > 1:
                 raise ValueError("speculative_config.draft_vocab_size is not supported with tensor_parallel_size > 1")
-            draft_vocab = draft_vocab_ids(draft_path, spec.draft_vocab_size, mcfg.vocab_size)
+            draft_vocab = _draft_vocab.load(draft_path, spec.draft_vocab_size, mcfg.vocab_size)
             logger.info("draft vocabulary: proposals among the %d most frequent of %d tokens (%s)",
-                        len(draft_vocab), mcfg.vocab_size, draft_path / "draft_vocab.json")
+                        len(draft_vocab), mcfg.vocab_size, draft_path / _draft_vocab.FILE)
         if spec.synthetic:
             rates = tuple(synthetic_rates(k, spec.synthetic_acceptance_length, spec.synthetic_acceptance_rates))
             expected = sum(float(np.prod(rates[:i])) for i in range(len(rates) + 1))
